@@ -1,0 +1,38 @@
+"""splitgrad: split a layer's backward into input gradient now and weight gradient later.
+
+Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, ``WeightGradStore``,
+``register_wgrad_accumulation_and_reduce_hooks``, ``get_backward_dw_params``, ``main_grad``,
+``skip_backward_post_hook``) so Megatron-style code ports unchanged.
+"""
+
+from __future__ import annotations
+
+from .module import Linear, SplitModule
+from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
+from .whole_model import (
+    backward_dw,
+    ensure_no_pending_wgrad,
+    guard_optimizer,
+    pending_wgrad,
+    set_delay_wgrad_compute,
+    split_modules,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Linear",
+    "SplitModule",
+    "WeightGradStore",
+    "WgradBundle",
+    "WgradHooks",
+    "WgradTask",
+    "__version__",
+    "backward_dw",
+    "capture_wgrad",
+    "ensure_no_pending_wgrad",
+    "guard_optimizer",
+    "pending_wgrad",
+    "set_delay_wgrad_compute",
+    "split_modules",
+]

@@ -1,0 +1,34 @@
+"""Command line: ``python -m splitgrad <command> ...`` (also installed as ``splitgrad``).
+
+Each command lives in its own module under :mod:`splitgrad.cli` and exposes ``add_parser(subparsers)``,
+which registers its sub-parser and sets ``func`` to the callable that runs it. Commands are imported here,
+not at package import, so ``import splitgrad`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+# Command name -> module implementing it (kept as data so `--help` lists them without importing torch twice).
+_COMMANDS = {
+    "demo": "splitgrad.cli.demo",
+    "schedule": "splitgrad.cli.schedule",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="splitgrad", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module_name in _COMMANDS.values():
+        importlib.import_module(module_name).add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""``splitgrad.Linear``: ``y = x @ W.T + b`` whose backward can defer the weight gradient."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ._base import SplitModule
+from ._wgrad import accumulate_grad, bias_wgrad, linear_wgrad, linear_wgrad_into_main_grad
+
+__all__ = ["Linear", "LinearFunction"]
+
+
+class LinearFunction(torch.autograd.Function):
+    """Autograd Function of :class:`Linear`; backward splits dgrad from wgrad through ``owner``.
+
+    Shapes: ``x: (..., in)``, ``weight: (out, in)``, ``bias: (out,) | None`` -> ``y: (..., out)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner: Linear):  # type: ignore[override]
+        ctx.owner = owner
+        ctx.has_bias = bias is not None
+        # Decided at forward so that flipping the switch between forward and backward cannot mix modes.
+        ctx.split = owner._splits_wgrad()
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        owner: Linear = ctx.owner
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = dy2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+
+        want_w, want_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        if not (want_w or want_b):
+            return dx, None, None, None
+        if not ctx.split:
+            dw, db = linear_wgrad(dy2, x2, with_bias=want_b)
+            return dx, (dw if want_w else None), db, None
+
+        def compute() -> None:
+            owner._write_wgrad(dy2, x2, want_w=want_w, want_b=want_b)
+
+        owner._finish_wgrad(compute, saved=(dy2, x2))
+        return dx, None, None, None
+
+
+class Linear(SplitModule):
+    """Drop-in ``torch.nn.Linear`` (same parameters, init and state_dict) with a splittable backward.
+
+    Args:
+        in_features: size of the last input dimension.
+        out_features: size of the last output dimension.
+        bias: learn an additive bias.
+        delay_wgrad_compute: backward computes only the input gradient; the weight/bias gradient is parked as a
+            task and computed by :meth:`backward_dw` (or by a :func:`splitgrad.capture_wgrad` bundle).
+        fuse_wgrad_accumulation: add the weight gradient straight into ``weight.main_grad`` (the fp32 buffer of
+            a data-parallel wrapper) with one addmm; ``weight.grad`` stays None. The bias gradient still goes
+            to ``bias.grad``.
+        params_dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device.
+
+    Shapes: input ``(..., in_features)`` -> output ``(..., out_features)``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"Linear needs positive sizes, got {in_features=} {out_features=}")
+        self.in_features = in_features
+        self.out_features = out_features
+        factory = {"dtype": params_dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.reset_parameters()
+        self._init_split(
+            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
+        )
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s initialisation, so seeded models match it exactly."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (..., in_features)`` -> ``(..., out_features)``."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        return LinearFunction.apply(x, self.weight, self.bias, self)
+
+    def _deferred_parameters(self) -> list[nn.Parameter]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def _write_wgrad(self, dy2: torch.Tensor, x2: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
+        """Write this layer's gradients for ``dy2: (tokens, out)`` and ``x2: (tokens, in)``."""
+        if self.fuse_wgrad_accumulation and want_w:
+            linear_wgrad_into_main_grad(self.weight, dy2, x2, self._describe())
+            db = bias_wgrad(dy2) if want_b else None
+        else:
+            dw, db = linear_wgrad(dy2, x2, with_bias=want_b)
+            if want_w:
+                accumulate_grad(self.weight, dw)
+        if db is not None:
+            accumulate_grad(self.bias, db)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )

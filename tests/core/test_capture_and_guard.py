@@ -1,0 +1,164 @@
+"""capture_wgrad bundles, the optimizer guard, and every error path of the core.
+
+Why: a pipeline W step runs one microbatch's bundle in any order; a lost or doubled W step must be loud.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+import torch
+
+import splitgrad
+from tests.core.helpers import assert_same, grads
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        splitgrad.Linear(4, 6, delay_wgrad_compute=True, params_dtype=torch.float64),
+        torch.nn.Tanh(),
+        splitgrad.Linear(6, 2, delay_wgrad_compute=True, params_dtype=torch.float64),
+    )
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(4, 6, dtype=torch.float64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(6, 2, dtype=torch.float64),
+    )
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def test_bundles_run_out_of_order_give_reference_grads():
+    model, ref = _pair()
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(3)]
+    bundles = []
+    for x in xs:
+        with splitgrad.capture_wgrad() as bundle:
+            model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert len(bundle) == 2  # one task per layer
+        bundles.append(bundle)
+    assert splitgrad.pending_wgrad(model) == 0  # parked in bundles, not in the stores
+    with pytest.raises(RuntimeError, match="capture_wgrad bundles"):
+        model[0].backward_dw()
+    for i in (2, 0, 1):
+        assert bundles[i].run() == 2
+    assert_same(grads(model), grads(ref), exact=False)
+    splitgrad.ensure_no_pending_wgrad(model)
+
+
+def test_bundle_fires_owner_hooks_and_refuses_second_run():
+    model, _ = _pair()
+    fired = []
+    model[0].register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(0))
+    model[2].register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(2))
+    with splitgrad.capture_wgrad() as bundle:
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert fired == []
+    bundle.run()
+    assert sorted(fired) == [0, 2]
+    with pytest.raises(RuntimeError, match="already ran"):
+        bundle.run()
+
+
+def test_nested_captures_go_to_the_innermost():
+    model, _ = _pair()
+    with splitgrad.capture_wgrad() as outer:
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        with splitgrad.capture_wgrad() as inner:
+            model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert len(outer) == 2 and len(inner) == 2
+    outer.run()
+    inner.run()
+
+
+def test_guard_optimizer_refuses_step_while_work_is_owed():
+    model, _ = _pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = splitgrad.guard_optimizer(opt, model)
+    model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\).*Owed by: 0 \(pending=1.*2 \(pending=1"):
+        opt.step()
+    splitgrad.backward_dw(model)
+    opt.step()
+    with splitgrad.capture_wgrad() as bundle:
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match="in bundles=1"):
+        opt.step()
+    assert bundle.discard() == 2
+    opt.step()  # discarding is an explicit decision, so the guard lets it through
+    model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    handle.remove()
+    opt.step()  # guard lifted
+    assert splitgrad.pending_wgrad(model) == 2
+
+
+def test_dropped_bundle_warns_and_stays_owed():
+    model, _ = _pair()
+    with splitgrad.capture_wgrad() as bundle:
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with pytest.warns(RuntimeWarning, match="lost"):
+        del bundle
+        gc.collect()
+    with pytest.raises(RuntimeError, match="in bundles=1"):
+        splitgrad.ensure_no_pending_wgrad(model)
+
+
+def test_error_backward_dw_without_pending_names_module():
+    layer = splitgrad.Linear(3, 2, delay_wgrad_compute=True)
+    with pytest.raises(
+        RuntimeError, match=re.escape("Linear(in_features=3, out_features=2, bias=True).backward_dw()")
+    ):
+        layer.backward_dw()
+
+
+def test_error_missing_or_misshaped_main_grad():
+    layer = splitgrad.Linear(3, 2, fuse_wgrad_accumulation=True)
+    with pytest.raises(RuntimeError, match=r"weight\.main_grad"):
+        layer(torch.randn(2, 3)).sum().backward()
+    delayed = splitgrad.Linear(3, 2, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    delayed.weight.main_grad = torch.zeros(3, 2)
+    delayed(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"main_grad` has shape \(3, 2\), expected \(2, 3\)"):
+        delayed.backward_dw()
+
+
+def test_error_bad_input_and_constructor_args():
+    layer = splitgrad.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"in_features=3.*\(2, 4\)"):
+        layer(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="in_features=0"):
+        splitgrad.Linear(0, 2)
+    with pytest.raises(TypeError, match="callable"):
+        layer.register_wgrad_accumulation_and_reduce_hooks(42)
+
+
+def test_error_input_modified_in_place_before_backward_dw():
+    layer = splitgrad.Linear(3, 2, delay_wgrad_compute=True)
+    x = torch.randn(2, 3)
+    layer(x).sum().backward()
+    x.mul_(2)  # the saved operand of the deferred wgrad changed
+    with pytest.raises(RuntimeError, match="modified in place"):
+        layer.backward_dw()
+
+
+def test_error_captures_exited_out_of_order():
+    outer = splitgrad.capture_wgrad()
+    inner = splitgrad.capture_wgrad()
+    outer.__enter__()
+    inner_bundle = inner.__enter__()
+    with pytest.raises(RuntimeError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    assert splitgrad.store.active_bundle() is inner_bundle  # the misused block is gone, the open one stays
+    inner.__exit__(None, None, None)
+    assert splitgrad.store.active_bundle() is None
+
+
+def test_store_clear_is_loud_and_counts():
+    layer = splitgrad.Linear(3, 2, delay_wgrad_compute=True)
+    layer(torch.randn(2, 3)).sum().backward()
+    assert layer.wgrad_store.clear() == 1
+    assert splitgrad.pending_wgrad(layer) == 0

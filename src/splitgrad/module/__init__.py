@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 from ._base import SplitModule
+from .grouped_linear import GroupedLinear, GroupedLinearFunction
+from .layernorm_linear import LayerNormLinear, LayerNormLinearFunction
+from .layernorm_mlp import LayerNormMLP, LayerNormMLPFunction
 from .linear import Linear, LinearFunction
 
-__all__ = ["Linear", "LinearFunction", "SplitModule"]
+__all__ = [
+    "GroupedLinear",
+    "GroupedLinearFunction",
+    "LayerNormLinear",
+    "LayerNormLinearFunction",
+    "LayerNormMLP",
+    "LayerNormMLPFunction",
+    "Linear",
+    "LinearFunction",
+    "SplitModule",
+]

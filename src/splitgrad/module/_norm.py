@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NORMALIZATIONS", "NormStats", "check_normalization", "effective_gamma", "init_norm_", "norm_backward", "norm_forward"]
+__all__ = [
+    "NORMALIZATIONS",
+    "NormStats",
+    "check_normalization",
+    "effective_gamma",
+    "init_norm_",
+    "norm_backward",
+    "norm_forward",
+]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

@@ -143,7 +143,9 @@ class LayerNormLinear(SplitModule):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self._init_split(delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self._init_split(
+            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
+        )
 
     def reset_parameters(self) -> None:
         """Norm: gamma ones (zeros when zero-centered), beta zeros; linear: ``torch.nn.Linear``'s init."""

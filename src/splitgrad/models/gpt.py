@@ -1,0 +1,253 @@
+"""A small GPT built from splitgrad layers (pre-norm blocks, learned positions, tied or untied head).
+
+Layout of one block (the residual stream ``x: (batch, seq, hidden)``)::
+
+    x = x + proj(sdpa_causal(split_heads(LayerNormLinear_qkv(x))))     # attention branch
+    x = x + LayerNormMLP(x)                                             # MLP branch (MoE: MoEMLP)
+
+Every matrix multiply of a block (QKV, output projection, fc1, fc2) and the untied LM head is a splitgrad layer,
+so ``config.delay_wgrad_compute=True`` defers all of their weight gradients to ``splitgrad.backward_dw(model)``
+(or to a ``capture_wgrad`` bundle). Embeddings and norms outside the fused layers are plain autograd: their
+gradients are written during backward like any ``nn.Module``'s.
+
+The model is a sequence of pieces ``[embed, *blocks, head]`` (:meth:`GPT.pieces`);
+:func:`splitgrad.models.split_into_stages` cuts that sequence into pipeline stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..module.layernorm_linear import LayerNormLinear
+from ..module.layernorm_mlp import LayerNormMLP
+from ..module.linear import Linear
+from .config import GPTConfig
+
+__all__ = ["GPT", "Attention", "Block", "Embedding", "Head", "Norm", "lm_loss"]
+
+logger = logging.getLogger(__name__)
+
+
+def _split_kwargs(config: GPTConfig) -> dict:
+    """Keyword arguments every splitgrad layer of the model gets."""
+    return {
+        "delay_wgrad_compute": config.delay_wgrad_compute,
+        "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation,
+        "params_dtype": config.params_dtype,
+    }
+
+
+class Norm(nn.Module):
+    """A plain-autograd LayerNorm/RMSNorm with TE's parameter conventions (the final norm, MoE pre-norms).
+
+    Parameters: ``weight: (hidden,)`` (stored as ``gamma - 1`` with ``zero_centered_gamma``) and, for
+    LayerNorm, ``bias: (hidden,)``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.normalization = config.normalization
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = config.zero_centered_gamma
+        h, dtype = config.hidden_size, config.params_dtype
+        init = torch.zeros if config.zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(h, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(h, dtype=dtype)) if config.normalization == "LayerNorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (..., hidden)`` -> ``(..., hidden)``."""
+        gamma = self.weight + 1 if self.zero_centered_gamma else self.weight
+        shape = (x.shape[-1],)
+        if self.normalization == "LayerNorm":
+            return F.layer_norm(x, shape, gamma, self.bias, self.eps)
+        return F.rms_norm(x, shape, gamma, self.eps)
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ``ids: (batch, seq) int64`` -> ``(batch, seq, hidden)``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.seq_len = config.seq_len
+        self.dropout = config.dropout
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden_size, dtype=config.params_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.dtype != torch.long:
+            raise ValueError(
+                f"Embedding: token ids must be (batch, seq) int64, got shape {tuple(ids.shape)} dtype {ids.dtype}"
+            )
+        if ids.shape[1] > self.seq_len:
+            raise ValueError(f"Embedding: sequence of {ids.shape[1]} tokens is longer than seq_len={self.seq_len}")
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return F.dropout(self.wte(ids) + self.wpe(pos), self.dropout, self.training)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention branch: ``(batch, seq, hidden)`` -> ``(batch, seq, hidden)``.
+
+    ``qkv`` (a :class:`~splitgrad.LayerNormLinear`, the block's pre-norm fused in) produces ``[q | k | v]``
+    along the last dimension, each split into ``num_heads`` contiguous heads; attention is
+    ``F.scaled_dot_product_attention(..., is_causal=True)``; ``proj`` is a :class:`~splitgrad.Linear`.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        h = config.hidden_size
+        self.qkv = LayerNormLinear(
+            h,
+            3 * h,
+            config.layernorm_epsilon,
+            config.bias,
+            normalization=config.normalization,
+            zero_centered_gamma=config.zero_centered_gamma,
+            **_split_kwargs(config),
+        )
+        self.proj = Linear(h, h, config.bias, **_split_kwargs(config))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        # (b, s, 3, heads, hd) -> three (b, heads, s, hd)
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: ``x + attn(x)`` then ``x + mlp(x)``, on ``(batch, seq, hidden)``.
+
+    Args:
+        config: the model's config.
+        mlp: the MLP branch (norm included): a :class:`~splitgrad.LayerNormMLP` or an MoE layer.
+    """
+
+    def __init__(self, config: GPTConfig, mlp: nn.Module) -> None:
+        super().__init__()
+        self.dropout = config.dropout
+        self.attn = Attention(config)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"Block: input must be (batch, seq, hidden), got shape {tuple(x.shape)}")
+        x = x + F.dropout(self.attn(x), self.dropout, self.training)
+        return x + F.dropout(self.mlp(x), self.dropout, self.training)
+
+    def residual_output_weights(self) -> list[nn.Parameter]:
+        """The matrices that write into the residual stream (GPT-2 scales their initialisation down)."""
+        mlp_out = getattr(self.mlp, "residual_output_weights", None)
+        out = list(mlp_out()) if mlp_out is not None else [self.mlp.fc2_weight]
+        return [self.attn.proj.weight, *out]
+
+
+class Head(nn.Module):
+    """Final norm and LM head: ``(batch, seq, hidden)`` -> logits ``(batch, seq, vocab)``.
+
+    Untied, the projection is a bias-free :class:`~splitgrad.Linear` (``proj``); tied, the caller passes the
+    token embedding ``(vocab, hidden)`` to :meth:`forward` and ``proj`` is None.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = Norm(config)
+        self.tied = config.tie_embeddings
+        self.proj = (
+            None if self.tied else Linear(config.hidden_size, config.vocab_size, False, **_split_kwargs(config))
+        )
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        if (tied_weight is None) == self.tied:
+            raise ValueError(
+                f"Head: tie_embeddings={self.tied} needs tied_weight {'given' if self.tied else 'None'}, "
+                f"got {'None' if tied_weight is None else 'a tensor'}"
+            )
+        x = self.norm(x)
+        return F.linear(x, tied_weight) if self.tied else self.proj(x)
+
+
+class GPT(nn.Module):
+    """The small GPT: ``ids: (batch, seq) int64`` -> logits ``(batch, seq, vocab_size)``.
+
+    Args:
+        config: architecture and splitgrad switches (see :class:`GPTConfig`).
+        device: where to create the parameters (default: torch's default device).
+    """
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config, self._make_mlp(config, i)) for i in range(config.num_layers))
+        self.head = Head(config)
+        self.reset_parameters()
+        if device is not None:
+            self.to(device)
+
+    def _make_mlp(self, config: GPTConfig, layer: int) -> nn.Module:
+        """The MLP branch of block ``layer`` (overridden by the MoE model)."""
+        del layer
+        return LayerNormMLP(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.layernorm_epsilon,
+            config.bias,
+            normalization=config.normalization,
+            activation=config.activation,
+            zero_centered_gamma=config.zero_centered_gamma,
+            **_split_kwargs(config),
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: matrices ~ N(0, init_std), residual outputs / sqrt(2L), biases 0, norms 1."""
+        std = self.config.init_std
+        for name, param in self.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std)
+            elif name.rsplit(".", 1)[-1].startswith("bias") or name.endswith("_bias"):
+                param.zero_()
+        for block in self.blocks:
+            for weight in block.residual_output_weights():
+                weight.normal_(0.0, std / math.sqrt(2 * self.config.num_layers))
+
+    def pieces(self) -> list[nn.Module]:
+        """The model as an ordered sequence ``[embed, *blocks, head]`` (what pipeline stages are cut from)."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids: (batch, seq) int64`` -> logits ``(batch, seq, vocab_size)`` (feed to :func:`lm_loss`)."""
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, self.embed.wte.weight if self.config.tie_embeddings else None)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one (micro)batch.
+
+    MoE models need nothing more: their load-balancing loss enters through backward (see
+    :class:`splitgrad.models.moe.AuxLossInjector`).
+
+    Args:
+        logits: ``(batch, seq, vocab)``.
+        targets: ``(batch, seq)`` int64 token ids.
+
+    Returns:
+        A scalar; half-precision logits are upcast to fp32 first.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"lm_loss: logits must be (batch, seq, vocab) and targets (batch, seq), got "
+            f"{tuple(logits.shape)=} {tuple(targets.shape)=}"
+        )
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,199 @@
+"""``splitgrad.GroupedLinear``: one linear per group of rows (MoE experts) with a splittable backward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ._base import SplitModule
+from ._layers import linear_init_, write_linear_wgrad
+from ._wgrad import bias_wgrad
+
+__all__ = ["GroupedLinear", "GroupedLinearFunction"]
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Autograd Function of :class:`GroupedLinear`.
+
+    Shapes: ``x: (tokens, in)`` split by rows into ``m_splits``; ``weights[i]: (out, in)``,
+    ``biases[i]: (out,)`` -> ``y: (tokens, out)`` whose row block ``i`` is ``x_i @ weights[i].T + biases[i]``.
+    Every GEMM reads and writes contiguous row slices of one input/output buffer (no concatenation).
+    """
+
+    @staticmethod
+    def forward(ctx, x, m_splits: list[int], owner: GroupedLinear, *params):  # type: ignore[override]
+        n = owner.num_gemms
+        weights, biases = params[:n], (params[n:] if len(params) > n else (None,) * n)
+        ctx.owner, ctx.m_splits, ctx.n = owner, m_splits, n
+        ctx.has_bias = len(params) > n
+        ctx.split = owner._splits_wgrad()
+        ctx.save_for_backward(x, *weights)
+        y = x.new_empty(x.shape[0], owner.out_features)
+        for xi, yi, w, b in zip(torch.split(x, m_splits), torch.split(y, m_splits), weights, biases):
+            if xi.shape[0] == 0:
+                continue
+            # The ops F.linear dispatches to for 2-D inputs, written in place: bitwise equal to it.
+            if b is None:
+                torch.mm(xi, w.t(), out=yi)
+            else:
+                torch.addmm(b, xi, w.t(), out=yi)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        owner: GroupedLinear = ctx.owner
+        n, m_splits = ctx.n, ctx.m_splits
+        need = ctx.needs_input_grad[3:]
+        want_w = tuple(need[:n])
+        want_b = tuple(need[n:]) if ctx.has_bias else (False,) * n
+        dy = dy.contiguous()
+
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = x.new_empty(x.shape)
+            for dyi, dxi, w in zip(torch.split(dy, m_splits), torch.split(dx, m_splits), weights):
+                if dyi.shape[0] != 0:
+                    torch.mm(dyi, w, out=dxi)
+
+        n_params = n * (2 if ctx.has_bias else 1)
+        if not (any(want_w) or any(want_b)):
+            return (dx, None, None, *([None] * n_params))
+        if not ctx.split:
+            dws, dbs = [], []
+            for i, (dyi, xi) in enumerate(zip(torch.split(dy, m_splits), torch.split(x, m_splits))):
+                dws.append(dyi.t().mm(xi) if want_w[i] else None)
+                dbs.append(bias_wgrad(dyi) if want_b[i] else None)
+            return (dx, None, None, *dws, *(dbs if ctx.has_bias else ()))
+
+        def compute() -> None:
+            owner._write_wgrad(dy, x, m_splits, want_w=want_w, want_b=want_b)
+
+        owner._finish_wgrad(compute, saved=(dy, x))
+        return (dx, None, None, *([None] * n_params))
+
+
+class GroupedLinear(SplitModule):
+    """``num_gemms`` independent linears applied to consecutive row groups (TE's MoE expert layer).
+
+    Parameters are ``weight0 .. weight{n-1}`` ``(out_features, in_features)`` and ``bias0 ..`` ``(out,)``.
+    One :meth:`backward_dw` completes every group of one backward. Empty groups are allowed; their
+    gradients are zeros (as with plain autograd), accumulated like any other.
+
+    Args:
+        num_gemms: number of groups (experts).
+        in_features: size of the last input dimension.
+        out_features: size of the last output dimension.
+        bias: learn a bias per group.
+        delay_wgrad_compute: park every group's weight gradient as one task for :meth:`backward_dw`.
+        fuse_wgrad_accumulation: add each ``weight{i}`` gradient into ``weight{i}.main_grad``.
+        params_dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device.
+
+    Shapes: ``forward(x, m_splits)`` with ``x: (..., in_features)`` whose flattened rows are grouped by
+    ``m_splits`` (``sum(m_splits)`` rows) -> ``(..., out_features)``.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                f"GroupedLinear needs positive sizes, got {num_gemms=} {in_features=} {out_features=}"
+            )
+        self.num_gemms = num_gemms
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bool(bias)
+        factory = {"dtype": params_dtype, "device": device}
+        for i in range(num_gemms):
+            self.register_parameter(
+                f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory))
+            )
+            b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+            self.register_parameter(f"bias{i}", b)
+        self.reset_parameters()
+        self._init_split(
+            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
+        )
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        """``[weight0, ..., weight{n-1}]``."""
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[nn.Parameter | None]:
+        """``[bias0, ..., bias{n-1}]`` (Nones without bias)."""
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def reset_parameters(self) -> None:
+        """Each group initialised like a ``torch.nn.Linear``."""
+        for w, b in zip(self.weights, self.biases):
+            linear_init_(w, b)
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``x: (..., in_features)`` with rows grouped by ``m_splits`` -> ``(..., out_features)``.
+
+        ``m_splits`` may be a list of ints or a 1-D integer tensor (read once on the host).
+        """
+        splits = self._check_splits(x, m_splits)
+        params = [*self.weights, *(self.biases if self.use_bias else ())]
+        x2 = x.reshape(-1, self.in_features)
+        y = GroupedLinearFunction.apply(x2, splits, self, *params)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        splits = [int(m) for m in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
+        tokens = x.numel() // self.in_features
+        if len(splits) != self.num_gemms or sum(splits) != tokens or min(splits) < 0:
+            raise ValueError(
+                f"{self._describe()}: m_splits must be {self.num_gemms} non-negative sizes summing to the "
+                f"{tokens} input rows, got {splits=} (len={len(splits)}, sum={sum(splits)})"
+            )
+        return splits
+
+    def _deferred_parameters(self) -> list[nn.Parameter]:
+        return [*self.weights, *(self.biases if self.use_bias else ())]
+
+    def _write_wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        m_splits: list[int],
+        *,
+        want_w: tuple[bool, ...],
+        want_b: tuple[bool, ...],
+    ) -> None:
+        """Write every group's gradients for ``dy: (tokens, out)`` and ``x: (tokens, in)``."""
+        owner, fused = self._describe(), self.fuse_wgrad_accumulation
+        groups = zip(torch.split(dy, m_splits), torch.split(x, m_splits), self.weights, self.biases)
+        for i, (dyi, xi, w, b) in enumerate(groups):
+            write_linear_wgrad(
+                w, b, dyi, xi, want_w=want_w[i], want_b=want_b[i], fused=fused, owner=owner, name=f"weight{i}"
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}"
+        )

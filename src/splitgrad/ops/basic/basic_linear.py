@@ -1,0 +1,119 @@
+"""``ops.BasicLinear``: ``y = x @ W.T`` (no bias) whose weight gradient can be deferred."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...module._base import SplitModule
+from ..op import BasicOperation, OperationContext, ParamGrads
+from ._wgrad import weight_grad, write_weight_grad
+
+__all__ = ["BasicLinear"]
+
+
+class BasicLinear(BasicOperation, SplitModule):
+    """Matrix multiply by ``weight: (out_features, in_features)``, with TE's split-backward contract.
+
+    Modes (decided at forward, as for :class:`splitgrad.Linear`):
+
+    * immediate: ``op_backward`` returns ``dW`` to autograd;
+    * ``delay_wgrad_compute=True``: ``op_backward`` returns only ``dx`` and parks one task per backward that
+      :meth:`backward_dw` (or :func:`splitgrad.backward_dw` / a capture bundle) runs;
+    * ``accumulate_into_main_grad=True`` without delay: the task runs at once inside backward.
+
+    In the last two modes ``dW`` is *accumulated* into ``weight.grad`` (or added into ``weight.main_grad``,
+    ``weight.grad`` staying None), ``weight.skip_backward_post_hook`` is True, and the wgrad hooks fire after
+    the gradient is written.
+
+    Args:
+        in_features: size of the last input dimension.
+        out_features: size of the last output dimension.
+        delay_wgrad_compute: defer the weight gradient to :meth:`backward_dw`.
+        accumulate_into_main_grad: add the weight gradient into ``weight.main_grad`` (TE's ops name for the
+            modules' ``fuse_wgrad_accumulation``).
+        dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device.
+
+    Shapes: ``x: (..., in_features)`` -> ``(..., out_features)``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        delay_wgrad_compute: bool = False,
+        accumulate_into_main_grad: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"ops.BasicLinear needs positive sizes, got {in_features=} {out_features=}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.reset_parameters()
+        self._init_split(
+            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=accumulate_into_main_grad
+        )
+
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        """TE ops' name of ``fuse_wgrad_accumulation``."""
+        return self.fuse_wgrad_accumulation
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s weight initialisation."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def _deferred_parameters(self) -> list[nn.Parameter]:
+        return [self.weight]
+
+    # -- op contract ----------------------------------------------------------------------------------------
+    def prepare_forward(self, ctx: OperationContext, x: torch.Tensor) -> None:
+        """Validate ``x`` and save what :meth:`op_backward` needs (fused forwards call this too)."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        # Decided at forward so that flipping the switch between forward and backward cannot mix modes.
+        ctx.split = ctx.weight_requires_grad and self._splits_wgrad()
+        if ctx.requires_grad:
+            ctx.save_for_backward(
+                x if ctx.weight_requires_grad else None, self.weight if ctx.input_requires_grad else None
+            )
+
+    def op_forward(self, ctx: OperationContext, x: torch.Tensor) -> torch.Tensor:
+        self.prepare_forward(ctx, x)
+        return F.linear(x, self.weight)
+
+    def op_backward(self, ctx: OperationContext, dy: torch.Tensor) -> tuple[torch.Tensor | None, ParamGrads]:
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, self.out_features)
+        dx = dy2.mm(weight).view(*dy.shape[:-1], self.in_features) if ctx.input_requires_grad else None
+        if not ctx.weight_requires_grad:
+            return dx, [None]
+        x2 = x.reshape(-1, self.in_features)
+        if not ctx.split:
+            return dx, [weight_grad(dy2, x2)]
+
+        def compute() -> None:
+            write_weight_grad(
+                self.weight, dy2, x2, into_main_grad=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight"
+            )
+
+        self._finish_wgrad(compute, saved=(dy2, x2))
+        return dx, [None]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"delay_wgrad_compute={self.need_backward_dw()}, "
+            f"accumulate_into_main_grad={self.fuse_wgrad_accumulation}"
+        )

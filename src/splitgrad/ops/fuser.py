@@ -1,0 +1,257 @@
+"""Running a run of fusible ops as one autograd Function, and the fusion registry that rewrites it.
+
+:class:`OperationFuser` flattens its ops into basic ops, asks a :class:`FusionRegistry` for a forward plan and a
+backward plan (each a list of basic or fused ops covering the basic ops in order), and runs them inside one
+``torch.autograd.Function``: the forward walks the forward plan, the backward walks the backward plan in
+reverse and hands every returned parameter gradient to autograd.
+
+A fusion is a pure function ``list[op] -> list[op]`` (``op`` = :class:`~splitgrad.ops.op.BasicOperation` or
+:class:`~splitgrad.ops.op.FusedOperation`) that replaces some windows of consecutive ops by fused ops. The
+fuser checks that a fusion kept every basic op, in order (a broken fusion is an error, never a silently
+dropped layer). Fusions should decide on structure only (op types, sizes, dtypes): the plan is cached until the
+registry changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+
+__all__ = ["FusionFn", "FusionRegistry", "OperationFuser", "default_fusions"]
+
+logger = logging.getLogger(__name__)
+
+Op = BasicOperation | FusedOperation
+#: A fusion: rewrites a list of ops (forward order) into an equivalent list with some windows fused.
+FusionFn = Callable[[list[Op]], list[Op]]
+
+
+class FusionRegistry:
+    """Ordered forward and backward fusion functions, applied one after the other.
+
+    Each :class:`~splitgrad.ops.Sequential` owns one (``seq.fusions``); :func:`default_fusions` builds the
+    built-in set. An empty registry (``FusionRegistry()``) runs every op unfused.
+
+    Args:
+        forward: fusion functions for the forward pass, applied in order.
+        backward: fusion functions for the backward pass, applied in order.
+    """
+
+    def __init__(self, forward: Iterable[FusionFn] = (), backward: Iterable[FusionFn] = ()) -> None:
+        self._forward = list(forward)
+        self._backward = list(backward)
+        #: Bumped on every registration so fusers know their cached plan is stale.
+        self.version = 0
+
+    @property
+    def forward(self) -> tuple[FusionFn, ...]:
+        return tuple(self._forward)
+
+    @property
+    def backward(self) -> tuple[FusionFn, ...]:
+        return tuple(self._backward)
+
+    def register_forward(self, fn: FusionFn) -> FusionFn:
+        """Append a forward fusion (usable as a decorator); returns ``fn``."""
+        self._forward.append(_check_callable(fn))
+        self.version += 1
+        return fn
+
+    def register_backward(self, fn: FusionFn) -> FusionFn:
+        """Append a backward fusion (usable as a decorator); returns ``fn``."""
+        self._backward.append(_check_callable(fn))
+        self.version += 1
+        return fn
+
+    def __repr__(self) -> str:
+        names = lambda fns: [getattr(f, "__name__", repr(f)) for f in fns]  # noqa: E731
+        return f"FusionRegistry(forward={names(self._forward)}, backward={names(self._backward)})"
+
+
+def _check_callable(fn: Any) -> FusionFn:
+    if not callable(fn):
+        raise TypeError(f"a fusion must be a callable list[op] -> list[op], got {type(fn).__name__}")
+    return fn
+
+
+def default_fusions() -> FusionRegistry:
+    """A fresh registry with the built-in fusions (Linear+Bias[+activation] forward, activation+bias backward)."""
+    from .fused import fuse_backward_activation_bias, fuse_forward_linear_bias_activation
+
+    return FusionRegistry(
+        forward=[fuse_forward_linear_bias_activation], backward=[fuse_backward_activation_bias]
+    )
+
+
+class _Plan:
+    """A fusion result: ops with the positions of the basic ops each one covers."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: list[tuple[Op, range]]) -> None:
+        self.steps = steps
+
+
+def _make_plan(basic: list[BasicOperation], fusions: Sequence[FusionFn], kind: str) -> _Plan:
+    ops: list[Op] = list(basic)
+    for fn in fusions:
+        ops = list(fn(list(ops)))
+        flat = [b for op in ops for b in op.basic_ops()]
+        if len(flat) != len(basic) or any(a is not b for a, b in zip(flat, basic)):
+            raise RuntimeError(
+                f"{kind} fusion {getattr(fn, '__name__', fn)!r} did not keep the basic ops in order: "
+                f"got {[type(b).__name__ for b in flat]}, expected {[type(b).__name__ for b in basic]}"
+            )
+    steps, start = [], 0
+    for op in ops:
+        n = len(op.basic_ops())
+        steps.append((op, range(start, start + n)))
+        start += n
+    return _Plan(steps)
+
+
+class OperationFuser:
+    """Runs consecutive fusible ops as one autograd Function, with the registry's fusions applied.
+
+    Args:
+        ops: the ops, in forward order (composite ops are expanded into their basic ops).
+        fusions: the fusion functions to apply; None runs the ops unfused.
+
+    Call as ``fuser(x, extra_inputs)`` with ``x: (..., features)`` and ``extra_inputs`` the ops' extra inputs
+    in order (``GroupedLinear``'s split sizes).
+    """
+
+    def __init__(self, ops: Sequence[FusibleOperation], fusions: FusionRegistry | None = None) -> None:
+        self.ops = list(ops)
+        self.fusions = FusionRegistry() if fusions is None else fusions
+        self._plans: tuple[int, list[BasicOperation], _Plan, _Plan] | None = None
+
+    @property
+    def basic_ops(self) -> list[BasicOperation]:
+        return [b for op in self.ops for b in op.basic_ops()]
+
+    @property
+    def num_extra_inputs(self) -> int:
+        return sum(op.num_extra_inputs for op in self.ops)
+
+    def plans(self) -> tuple[list[BasicOperation], _Plan, _Plan]:
+        """The basic ops and the (forward, backward) plans, recomputed when the registry changed."""
+        if self._plans is None or self._plans[0] != self.fusions.version:
+            basic = self.basic_ops
+            fwd = _make_plan(basic, self.fusions.forward, "forward")
+            bwd = _make_plan(basic, self.fusions.backward, "backward")
+            self._plans = (self.fusions.version, basic, fwd, bwd)
+        return self._plans[1], self._plans[2], self._plans[3]
+
+    @property
+    def forward_ops(self) -> list[Op]:
+        """The forward plan's ops (basic or fused), for inspection."""
+        return [op for op, _ in self.plans()[1].steps]
+
+    @property
+    def backward_ops(self) -> list[Op]:
+        """The backward plan's ops (basic or fused) in forward order; backward runs them reversed."""
+        return [op for op, _ in self.plans()[2].steps]
+
+    def __call__(self, x: torch.Tensor, extra_inputs: Sequence[Any] = ()) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"fusible ops take a tensor input, got {type(x).__name__}")
+        for op in self.ops:
+            op.pre_forward()
+        basic, fwd, bwd = self.plans()
+        counts = [b.num_extra_inputs for b in basic]
+        if sum(counts) != len(extra_inputs):
+            names = [type(b).__name__ for b, c in zip(basic, counts) if c]
+            raise ValueError(
+                f"ops {names or [type(b).__name__ for b in basic]} take {sum(counts)} extra input(s) "
+                f"(e.g. GroupedLinear's split_sizes), got {len(extra_inputs)}"
+            )
+        per_op, pos = [], 0
+        for c in counts:
+            per_op.append(tuple(extra_inputs[pos : pos + c]))
+            pos += c
+        params = [b.op_parameters() for b in basic]
+        flat_params = [p for ps in params for p in ps]
+        state = _State(basic, fwd, bwd, per_op, [len(ps) for ps in params], torch.is_grad_enabled())
+        return _FuserFunction.apply(x, state, *flat_params)
+
+
+class _State:
+    """Everything one fuser call hands its autograd Function besides tensors."""
+
+    __slots__ = ("backward_plan", "basic", "ctxs", "extra_inputs", "forward_plan", "grad_enabled", "n_params", "spans")
+
+    def __init__(self, basic, forward_plan, backward_plan, extra_inputs, n_params, grad_enabled) -> None:
+        self.basic: list[BasicOperation] = basic
+        self.forward_plan: _Plan = forward_plan
+        self.backward_plan: _Plan = backward_plan
+        self.extra_inputs: list[tuple[Any, ...]] = extra_inputs
+        self.n_params: list[int] = n_params
+        self.grad_enabled: bool = grad_enabled
+        self.ctxs: list[OperationContext] = []
+        self.spans: list[tuple[int, int]] = []
+
+
+class _FuserFunction(torch.autograd.Function):
+    """One autograd node for a run of ops: forward plan forward, backward plan reversed."""
+
+    @staticmethod
+    def forward(func_ctx, x: torch.Tensor, state: _State, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Which ops need backward at all: an op needs dx if anything before it (or x) needs a gradient.
+        ctxs, upstream, pos = [], state.grad_enabled and x.requires_grad, 0
+        for n in state.n_params:
+            weights = state.grad_enabled and any(p.requires_grad for p in params[pos : pos + n])
+            ctxs.append(OperationContext(input_requires_grad=upstream, weight_requires_grad=weights))
+            upstream = upstream or weights
+            pos += n
+        for op, span in state.forward_plan.steps:
+            x = op.fuser_forward([ctxs[i] for i in span], x, [state.extra_inputs[i] for i in span])
+        if upstream:
+            flat, start = [], 0
+            for c in ctxs:
+                flat.extend(c.to_save)
+                state.spans.append((start, start + len(c.to_save)))
+                start += len(c.to_save)
+                c.to_save = ()
+            func_ctx.save_for_backward(*flat)
+        state.ctxs = ctxs
+        state.extra_inputs = []  # not needed any more; may hold a split-sizes tensor
+        func_ctx.state = state
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(func_ctx, dy: torch.Tensor):  # type: ignore[override]
+        state: _State = func_ctx.state
+        saved = func_ctx.saved_tensors
+        for c, (a, b) in zip(state.ctxs, state.spans):
+            c.saved_tensors = saved[a:b]
+        grads: list[Any] = [None] * len(state.basic)
+        try:
+            for op, span in reversed(state.backward_plan.steps):
+                dy, op_grads = op.fuser_backward([state.ctxs[i] for i in span], dy)
+                for i, g in zip(span, op_grads):
+                    grads[i] = g
+        finally:
+            # Saved tensors live with the graph (retain_graph re-runs restore them), not with the contexts.
+            for c in state.ctxs:
+                c.saved_tensors = ()
+        flat: list[torch.Tensor | None] = []
+        for op, g, n in zip(state.basic, grads, state.n_params):
+            if g is None or len(g) == 0:
+                flat.extend([None] * n)
+            elif len(g) != n:
+                raise RuntimeError(
+                    f"{op._describe()}.op_backward returned {len(g)} parameter gradient(s), expected {n} "
+                    "(one per op_parameters())"
+                )
+            else:
+                flat.extend(g)
+        dx = dy if func_ctx.needs_input_grad[0] else None
+        return dx, None, *flat

@@ -1,0 +1,187 @@
+"""The one execution model shared by :func:`validate` and :func:`simulate`.
+
+Each rank runs its action list strictly in order. An action starts when its rank is free and its inputs exist:
+
+* ``F(s, i)`` needs ``F(s-1, i)``;
+* ``B(s, i)`` / ``BW(s, i)`` need ``F(s, i)`` and the ``B``/``BW`` of ``(s+1, i)``;
+* ``W(s, i)`` needs ``B(s, i)``.
+
+An input produced on another rank arrives ``comm`` after its producer ends. This is blocking point-to-point
+with *receives* blocking and sends posted asynchronously (``isend``), which is how
+``torch.distributed.pipelining`` and the splitgrad runtime execute schedules. The schedule deadlocks exactly
+when some rank waits for an input that can never be produced, i.e. when no rank can make progress.
+
+The loop is O(total actions): a rank runs until it blocks, registers itself under the one input it waits for,
+and is woken when that input is produced. Start times depend only on already-known end times, so the order in
+which ranks are advanced never changes the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .actions import Action, ActionKind, Schedule
+
+__all__ = ["EngineRun", "run_engine"]
+
+_F = ActionKind.F
+_B = ActionKind.B
+_W = ActionKind.W
+_BW = ActionKind.BW
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    """Outcome of :func:`run_engine`: timings when every action ran, else where each rank got stuck."""
+
+    starts: tuple[list[float], ...]
+    """``starts[r][j]`` is the start of rank ``r``'s ``j``-th action (lists are shorter if stuck)."""
+    ends: tuple[list[float], ...]
+    """``ends[r][j]`` is its end."""
+    blocked: tuple[tuple[int, Action, Action | None], ...]
+    """``(rank, action, missing_input)`` per rank that could not finish; ``missing_input`` is ``None`` when
+    the action is one the engine refuses to run (a duplicate, or a ``W`` whose ``(stage, microbatch)`` ran a
+    full ``BW``)."""
+
+    @property
+    def completed(self) -> bool:
+        """Whether every rank ran its whole list."""
+        return not self.blocked
+
+
+def run_engine(
+    schedule: Schedule,
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    comm: float,
+) -> EngineRun:
+    """Execute ``schedule`` under the blocking model with per-stage costs ``f``, ``b``, ``w``.
+
+    The caller guarantees stage/microbatch indices are in range and each action sits on its stage's rank
+    (:func:`validate` checks that first). ``BW`` costs ``b + w``.
+    """
+    m = schedule.n_microbatches
+    n_stages = schedule.n_stages
+    s2r = schedule.stage_to_rank
+    rank_actions = schedule.rank_actions
+    n_ranks = len(rank_actions)
+    size = n_stages * m
+    fend: list[float | None] = [None] * size
+    gend: list[float | None] = [None] * size  # end of B or BW: the input gradient exists
+    split: list[bool] = [False] * size  # gend came from a B (so a W is expected)
+    wdone: list[bool] = [False] * size
+    wait_f: dict[int, list[int]] = {}
+    wait_g: dict[int, list[int]] = {}
+    ptr = [0] * n_ranks
+    free = [0.0] * n_ranks
+    starts: tuple[list[float], ...] = tuple([] for _ in range(n_ranks))
+    ends: tuple[list[float], ...] = tuple([] for _ in range(n_ranks))
+    refused: dict[int, bool] = {}
+    work = list(range(n_ranks - 1, -1, -1))
+    last = n_stages - 1
+
+    while work:
+        r = work.pop()
+        acts = rank_actions[r]
+        n_acts = len(acts)
+        p = ptr[r]
+        t = free[r]
+        st = starts[r]
+        en = ends[r]
+        while p < n_acts:
+            s, k, i = acts[p]
+            idx = s * m + i
+            ready = t
+            if k is _F:
+                if s > 0:
+                    d = fend[idx - m]
+                    if d is None:
+                        wait_f.setdefault(idx - m, []).append(r)
+                        break
+                    if s2r[s - 1] != r:
+                        d += comm
+                    if d > ready:
+                        ready = d
+                if fend[idx] is not None:
+                    refused[r] = True
+                    break
+                e = ready + f[s]
+                fend[idx] = e
+                waiters = wait_f.pop(idx, None)
+                if waiters:
+                    work.extend(waiters)
+            elif k is _W:
+                d = gend[idx]
+                if d is None:
+                    wait_g.setdefault(idx, []).append(r)
+                    break
+                if not split[idx] or wdone[idx]:
+                    refused[r] = True
+                    break
+                if d > ready:
+                    ready = d
+                e = ready + w[s]
+                wdone[idx] = True
+            else:  # B or BW
+                d = fend[idx]
+                if d is None:
+                    wait_f.setdefault(idx, []).append(r)
+                    break
+                if d > ready:
+                    ready = d
+                if s < last:
+                    d = gend[idx + m]
+                    if d is None:
+                        wait_g.setdefault(idx + m, []).append(r)
+                        break
+                    if s2r[s + 1] != r:
+                        d += comm
+                    if d > ready:
+                        ready = d
+                if gend[idx] is not None:
+                    refused[r] = True
+                    break
+                if k is _B:
+                    e = ready + b[s]
+                    split[idx] = True
+                else:
+                    e = ready + b[s] + w[s]
+                gend[idx] = e
+                waiters = wait_g.pop(idx, None)
+                if waiters:
+                    work.extend(waiters)
+            st.append(ready)
+            en.append(e)
+            t = e
+            p += 1
+        ptr[r] = p
+        free[r] = t
+
+    blocked = []
+    for r in range(n_ranks):
+        p = ptr[r]
+        if p == len(rank_actions[r]):
+            continue
+        action = rank_actions[r][p]
+        missing = None if refused.get(r) else _missing_input(action, fend, gend, m, last)
+        blocked.append((r, action, missing))
+    return EngineRun(starts=starts, ends=ends, blocked=tuple(blocked))
+
+
+def _missing_input(
+    action: Action, fend: list[float | None], gend: list[float | None], m: int, last: int
+) -> Action | None:
+    """The input ``action`` is blocked on (named as the action that would produce it)."""
+    s, k, i = action
+    idx = s * m + i
+    if k is _F:
+        return Action(s - 1, _F, i)
+    if k is _W:
+        return Action(s, _B, i)
+    if fend[idx] is None:
+        return Action(s, _F, i)
+    if s < last and gend[idx + m] is None:
+        return Action(s + 1, _B, i)
+    return None

@@ -1,0 +1,279 @@
+"""Drive any splitgrad module through every split mode and compare it with a plain-torch reference.
+
+A :class:`Case` describes one module configuration: how to build it, how to call it, and a plain-torch
+reference written from the parameters by name. The ``check_*`` functions are the contract every module of
+this area must meet; each module's test file runs them on its own cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import splitgrad
+
+MODES = ("immediate", "delayed", "fused", "fused_delayed")
+F64 = {"rtol": 1e-10, "atol": 1e-12}
+EXACT = {"rtol": 0, "atol": 0}
+
+
+@dataclass(kw_only=True)
+class Case:
+    """One module configuration under test."""
+
+    name: str
+    make: Callable[..., nn.Module]
+    """``make(delay_wgrad_compute=, fuse_wgrad_accumulation=, params_dtype=)`` -> module."""
+    x_shape: tuple[int, ...]
+    call: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, ...]]
+    """Runs the module; always returns a tuple of outputs."""
+    reference: Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...]]
+    """Plain torch from ``{param_name: tensor}`` and the input."""
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def mode_kwargs(mode: str) -> dict[str, bool]:
+    return {
+        "delay_wgrad_compute": mode in ("delayed", "fused_delayed"),
+        "fuse_wgrad_accumulation": mode in ("fused", "fused_delayed"),
+    }
+
+
+def build(case: Case, mode: str, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:
+    """The module with every parameter random (seeded), so norms are not the identity and biases not zero."""
+    module = case.make(**mode_kwargs(mode), params_dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
+    return module
+
+
+def weight_params(module: nn.Module) -> list[nn.Parameter]:
+    """The deferred parameters that need ``main_grad`` when fused: the 2-D ones."""
+    return [p for p in module._deferred_parameters() if p.dim() == 2]
+
+
+def attach_main_grad(module: nn.Module, *, seed: int = 1, fill: float | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in weight_params(module):
+        if fill is None:
+            p.main_grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+        else:
+            p.main_grad = torch.full_like(p, fill)
+
+
+def inputs(case: Case, dtype: torch.dtype, module: nn.Module, step: int) -> tuple[torch.Tensor, tuple]:
+    """Input and output gradients of step ``step`` (seeded, shapes read from a dry forward)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(case.x_shape, generator=gen, dtype=torch.float64).to(dtype)
+    with torch.no_grad():
+        outs = case.call(module, x)
+    dys = tuple(torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype) for o in outs)
+    return x, dys
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Name -> clone of ``main_grad`` for fused weights, else of ``.grad`` (None stays None)."""
+    out = {}
+    fused = getattr(module, "fuse_wgrad_accumulation", False)
+    weights = {id(p) for p in weight_params(module)}
+    for name, p in module.named_parameters():
+        g = p.main_grad if fused and id(p) in weights and p.requires_grad else p.grad
+        out[name] = None if g is None else g.detach().clone()
+    return out
+
+
+def run(case: Case, mode: str, dtype: torch.dtype, *, steps: int = 1, module: nn.Module | None = None):
+    """Forward+backward ``steps`` times (``backward_dw`` after each when delaying).
+
+    Returns:
+        ``(outputs of the last step, [x.grad per step], grads(module))``.
+    """
+    module = build(case, mode, dtype) if module is None else module
+    if mode.startswith("fused") and not any(hasattr(p, "main_grad") for p in weight_params(module)):
+        attach_main_grad(module)
+    dxs = []
+    for step in range(steps):
+        x, dys = inputs(case, dtype, module, step)
+        x.requires_grad_()
+        outs = case.call(module, x)
+        torch.autograd.backward(outs, dys)
+        dxs.append(x.grad)
+        if module.need_backward_dw() and module.get_backward_dw_params():
+            assert splitgrad.pending_wgrad(module) == 1
+            module.backward_dw()
+        assert splitgrad.pending_wgrad(module) == 0
+    return tuple(o.detach() for o in outs), dxs, grads(module)
+
+
+def reference(case: Case, dtype: torch.dtype, *, steps: int = 1, module: nn.Module | None = None):
+    """Plain autograd on clones of the module's parameters (same init); same return as :func:`run`."""
+    module = build(case, "immediate", dtype) if module is None else module
+    params = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+    dxs = []
+    for step in range(steps):
+        x, dys = inputs(case, dtype, module, step)
+        x.requires_grad_()
+        outs = case.reference(params, x)
+        torch.autograd.backward(outs, dys)
+        dxs.append(x.grad)
+    return tuple(o.detach() for o in outs), dxs, {n: p.grad for n, p in params.items()}
+
+
+def assert_all_close(got, want, tol: dict) -> None:
+    """``got``/``want`` as returned by :func:`run`; grads compared by name, Nones must match."""
+    (outs, dxs, gs), (routs, rdxs, rgs) = got, want
+    assert len(outs) == len(routs)
+    for a, b in zip(outs, routs):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(dxs, rdxs):
+        torch.testing.assert_close(a, b, **tol)
+    assert gs.keys() == rgs.keys()
+    for name in gs:
+        if gs[name] is None or rgs[name] is None:
+            assert gs[name] is None and rgs[name] is None, f"{name}: got {gs[name]} want {rgs[name]}"
+            continue
+        torch.testing.assert_close(gs[name], rgs[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- the contract checks --------------------------------------------------------------------------------
+
+
+def check_float64_reference(case: Case, mode: str) -> None:
+    """Output, input gradient and every parameter gradient agree with plain autograd, over two steps."""
+    got = run(case, mode, torch.float64, steps=2)
+    ref_module = build(case, mode, torch.float64)
+    want = reference(case, torch.float64, steps=2, module=ref_module)
+    if mode.startswith("fused"):
+        # main_grad started from a random buffer: the reference adds the same start.
+        attach_main_grad(ref_module)
+        for name, p in ref_module.named_parameters():
+            if hasattr(p, "main_grad"):
+                want[2][name] = want[2][name] + p.main_grad
+    assert_all_close(got, want, F64)
+
+
+def check_delayed_bitwise(case: Case, dtype: torch.dtype = torch.float32) -> None:
+    """Deferring changes when the wgrad is computed, never its bits (plain and fused pairs, two steps)."""
+    assert_all_close(run(case, "delayed", dtype, steps=2), run(case, "immediate", dtype, steps=2), EXACT)
+    assert_all_close(run(case, "fused_delayed", dtype, steps=2), run(case, "fused", dtype, steps=2), EXACT)
+
+
+def check_deferred_state_and_hooks(case: Case) -> None:
+    """After backward only the deferred parameters owe gradients; backward_dw writes them, then hooks fire once."""
+    module = build(case, "delayed", torch.float64)
+    deferred = {id(p) for p in module._deferred_parameters()}
+    assert module.get_backward_dw_params() == module._deferred_parameters()
+    for name, p in module.named_parameters():
+        assert getattr(p, "skip_backward_post_hook", False) == (id(p) in deferred), name
+    fired: list[dict] = []
+    handle = module.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(grads(module)))
+
+    x, dys = inputs(case, torch.float64, module, 0)
+    torch.autograd.backward(case.call(module, x.requires_grad_()), dys)
+    assert module.need_backward_dw() and splitgrad.pending_wgrad(module) == 1 and not fired
+    for name, p in module.named_parameters():
+        assert (p.grad is None) == (id(p) in deferred), f"{name} after backward: grad={p.grad}"
+    module.backward_dw()
+    assert len(fired) == 1 and all(g is not None for g in fired[0].values()), "hook before grads were written"
+    handle.remove()
+    torch.autograd.backward(case.call(module, x), dys)
+    assert splitgrad.backward_dw(module) == 1 and len(fired) == 1
+
+
+def check_fused_main_grad(case: Case) -> None:
+    """Fused: weights go to main_grad (``.grad`` stays None), overwrite_main_grad and grad_added_to_main_grad work."""
+    for mode in ("fused", "fused_delayed"):
+        module = build(case, mode, torch.float64)
+        attach_main_grad(module, fill=7.0)
+        first = weight_params(module)[0]
+        first.overwrite_main_grad = True
+        for p in weight_params(module):
+            p.grad_added_to_main_grad = False
+        fired = []
+        module.register_wgrad_accumulation_and_reduce_hooks(lambda fired=fired: fired.append(1))
+        x, dys = inputs(case, torch.float64, module, 0)
+        torch.autograd.backward(case.call(module, x), dys)
+        assert len(fired) == (0 if mode == "fused_delayed" else 1)
+        splitgrad.backward_dw(module)
+        assert len(fired) == 1
+        ref = reference(case, torch.float64, module=build(case, "immediate", torch.float64))[2]
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        for p in weight_params(module):
+            name = name_of[id(p)]
+            assert p.grad is None and p.grad_added_to_main_grad, name
+            start = 0.0 if p is first else 7.0
+            torch.testing.assert_close(p.main_grad, ref[name] + start, **F64)
+        for p in module._deferred_parameters():
+            if p.dim() == 1:
+                torch.testing.assert_close(p.grad, ref[name_of[id(p)]], **F64)
+
+
+def check_missing_main_grad_is_an_error(case: Case) -> None:
+    module = build(case, "fused", torch.float64)
+    x, dys = inputs(case, torch.float64, module, 0)
+    try:
+        torch.autograd.backward(case.call(module, x), dys)
+    except RuntimeError as err:
+        assert "main_grad" in str(err) and type(module).__name__ in str(err), str(err)
+    else:
+        raise AssertionError("fused backward without main_grad did not raise")
+
+
+def check_capture_bundles(case: Case) -> None:
+    """Two microbatches captured in bundles and run in reverse order give the two-step gradients."""
+    module = build(case, "delayed", torch.float64)
+    bundles = []
+    for step in range(2):
+        x, dys = inputs(case, torch.float64, module, step)
+        with splitgrad.capture_wgrad() as bundle:
+            torch.autograd.backward(case.call(module, x), dys)
+        assert len(bundle) == 1 and splitgrad.pending_wgrad(module) == 0
+        bundles.append(bundle)
+    for bundle in reversed(bundles):
+        bundle.run()
+    want = reference(case, torch.float64, steps=2)[2]
+    got = grads(module)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **F64, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_frozen(case: Case, frozen: list[str], *, mode: str = "delayed") -> None:
+    """Frozen parameters get no gradient; the rest match the reference; pending work stays one task at most."""
+    module = build(case, mode, torch.float64)
+    for name in frozen:
+        module.get_parameter(name).requires_grad_(False)
+    owed = module.get_backward_dw_params()
+    assert all(p.requires_grad for p in owed)
+    got = run(case, mode, torch.float64, steps=2, module=module)
+    ref_module = build(case, mode, torch.float64)
+    for name in frozen:
+        ref_module.get_parameter(name).requires_grad_(False)
+    want = reference(case, torch.float64, steps=2, module=ref_module)
+    if mode.startswith("fused"):
+        attach_main_grad(ref_module)
+        for name, p in ref_module.named_parameters():
+            if hasattr(p, "main_grad") and p.requires_grad:
+                want[2][name] = want[2][name] + p.main_grad
+    for name in frozen:
+        assert got[2][name] is None, name
+    assert_all_close(got, want, F64)
+
+
+def check_rejects_wrong_answer(case: Case) -> None:
+    """Not trivially passing: a reference run on different parameters must fail the comparison."""
+    got = run(case, "delayed", torch.float64)
+    wrong = build(case, "immediate", torch.float64)
+    with torch.no_grad():
+        next(iter(wrong._deferred_parameters())).mul_(1.001)
+    try:
+        assert_all_close(got, reference(case, torch.float64, module=wrong), F64)
+    except AssertionError:
+        return
+    raise AssertionError("a perturbed weight went unnoticed")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import interleaved_medians, print_table
 
 import splitgrad
+from _timing import interleaved_medians, print_table
 from splitgrad.testing.memory import AllocationTracker
 
 

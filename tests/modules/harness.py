@@ -277,3 +277,13 @@ def check_rejects_wrong_answer(case: Case) -> None:
     except AssertionError:
         return
     raise AssertionError("a perturbed weight went unnoticed")
+
+
+def norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, normalization: str, eps: float, zcg: bool
+) -> torch.Tensor:
+    """Plain-torch LayerNorm / RMSNorm (``x * rsqrt(mean(x^2) + eps) * gamma``), zero-centered gamma aware."""
+    gamma = 1 + weight if zcg else weight
+    if normalization == "LayerNorm":
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma

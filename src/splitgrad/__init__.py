@@ -7,7 +7,8 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 
 from __future__ import annotations
 
-from .module import Linear, SplitModule
+from .convert import convert
+from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
 from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
 from .whole_model import (
     backward_dw,
@@ -21,6 +22,9 @@ from .whole_model import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "GroupedLinear",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "SplitModule",
     "WeightGradStore",
@@ -30,6 +34,7 @@ __all__ = [
     "__version__",
     "backward_dw",
     "capture_wgrad",
+    "convert",
     "ensure_no_pending_wgrad",
     "guard_optimizer",
     "pending_wgrad",

@@ -187,6 +187,20 @@ def check_deferred_state_and_hooks(case: Case) -> None:
     assert splitgrad.backward_dw(module) == 1 and len(fired) == 1
 
 
+def check_mode_fixed_at_forward(case: Case) -> None:
+    """Switching deferral between forward and backward cannot mix modes: the forward's setting wins."""
+    module = build(case, "immediate", torch.float64)
+    x, dys = inputs(case, torch.float64, module, 0)
+    outs = case.call(module, x)
+    module.set_delay_wgrad_compute(True)
+    torch.autograd.backward(outs, dys)
+    assert splitgrad.pending_wgrad(module) == 0
+    assert all(p.grad is not None for p in module.parameters())
+    torch.autograd.backward(case.call(module, x), dys)
+    module.set_delay_wgrad_compute(False)
+    assert splitgrad.backward_dw(module) == 1
+
+
 def check_fused_main_grad(case: Case) -> None:
     """Fused: weights go to main_grad (``.grad`` stays None), overwrite_main_grad and grad_added_to_main_grad work."""
     for mode in ("fused", "fused_delayed"):
@@ -280,7 +294,13 @@ def check_rejects_wrong_answer(case: Case) -> None:
 
 
 def norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, normalization: str, eps: float, zcg: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    normalization: str,
+    eps: float,
+    zcg: bool,
 ) -> torch.Tensor:
     """Plain-torch LayerNorm / RMSNorm (``x * rsqrt(mean(x^2) + eps) * gamma``), zero-centered gamma aware."""
     gamma = 1 + weight if zcg else weight

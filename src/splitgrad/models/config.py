@@ -84,7 +84,9 @@ class GPTConfig:
                 f"hidden_size={self.hidden_size} num_heads={self.num_heads}"
             )
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {self.activation=}")
+            raise ValueError(
+                f"{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {self.activation=}"
+            )
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"{type(self).__name__}: normalization must be one of {NORMALIZATIONS}, got {self.normalization=}"
@@ -130,6 +132,8 @@ class MoEConfig(GPTConfig):
                 f"{self.num_experts=} {self.moe_ffn_hidden_size=}"
             )
         if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"MoEConfig: top_k must be in [1, num_experts], got {self.top_k=} {self.num_experts=}")
+            raise ValueError(
+                f"MoEConfig: top_k must be in [1, num_experts], got {self.top_k=} {self.num_experts=}"
+            )
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig: aux_loss_coef must be >= 0, got {self.aux_loss_coef=}")

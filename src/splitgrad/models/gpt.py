@@ -84,7 +84,9 @@ class Embedding(nn.Module):
                 f"Embedding: token ids must be (batch, seq) int64, got shape {tuple(ids.shape)} dtype {ids.dtype}"
             )
         if ids.shape[1] > self.seq_len:
-            raise ValueError(f"Embedding: sequence of {ids.shape[1]} tokens is longer than seq_len={self.seq_len}")
+            raise ValueError(
+                f"Embedding: sequence of {ids.shape[1]} tokens is longer than seq_len={self.seq_len}"
+            )
         pos = torch.arange(ids.shape[1], device=ids.device)
         return F.dropout(self.wte(ids) + self.wpe(pos), self.dropout, self.training)
 
@@ -116,8 +118,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         # (b, s, 3, heads, hd) -> three (b, heads, s, hd)
-        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        q, k, v = (
+            self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -160,7 +166,9 @@ class Head(nn.Module):
         self.norm = Norm(config)
         self.tied = config.tie_embeddings
         self.proj = (
-            None if self.tied else Linear(config.hidden_size, config.vocab_size, False, **_split_kwargs(config))
+            None
+            if self.tied
+            else Linear(config.hidden_size, config.vocab_size, False, **_split_kwargs(config))
         )
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,7 +193,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embedding(config)
-        self.blocks = nn.ModuleList(Block(config, self._make_mlp(config, i)) for i in range(config.num_layers))
+        self.blocks = nn.ModuleList(
+            Block(config, self._make_mlp(config, i)) for i in range(config.num_layers)
+        )
         self.head = Head(config)
         self.reset_parameters()
         if device is not None:

@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 Params = Mapping[str, torch.Tensor]
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GPTConfig) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GPTConfig
+) -> torch.Tensor:
     gamma = weight + 1 if config.zero_centered_gamma else weight
     if config.normalization == "LayerNorm":
         mu = x.mean(-1, keepdim=True)
@@ -145,7 +147,9 @@ class ReferenceModel(nn.Module):
                     child = nn.Module()
                     owner.add_module(part, child)
                 owner = child
-            owner.register_parameter(leaf, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad))
+            owner.register_parameter(
+                leaf, nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+            )
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.training and self.config.dropout > 0:
@@ -164,5 +168,7 @@ class ReferenceModel(nn.Module):
 def reference_twin(model: GPT) -> ReferenceModel:
     """A :class:`ReferenceModel` with copies of ``model``'s current parameter values (same names, dtypes)."""
     if not isinstance(model, GPT):
-        raise TypeError(f"reference_twin expects a splitgrad.models.GPT or MoEGPT, got {type(model).__name__}")
+        raise TypeError(
+            f"reference_twin expects a splitgrad.models.GPT or MoEGPT, got {type(model).__name__}"
+        )
     return ReferenceModel(model.config, dict(model.named_parameters()))

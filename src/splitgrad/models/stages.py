@@ -50,12 +50,16 @@ class PipelineStage(nn.Module):
         self.layers = layers
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.config.vocab_size
-        self.dtype = model.embed.wte.weight.dtype
         self.tied = model.config.tie_embeddings
         self.embed = model.embed if self.is_first else None
         # Keyed by the global index so parameter names match the model's ("blocks.3.attn.qkv.weight").
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.head = model.head if self.is_last else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameter (hence activation) dtype, read live so ``stage.to(dtype)`` is reflected."""
+        return next(self.parameters()).dtype
 
     @property
     def is_first(self) -> bool:
@@ -105,7 +109,9 @@ def stage_layer_counts(num_layers: int, n_stages: int) -> list[int]:
     Earlier stages take the extra blocks because the last stage already carries the LM head and the loss.
     """
     if not 1 <= n_stages <= num_layers:
-        raise ValueError(f"stage_layer_counts: need 1 <= n_stages <= num_layers, got {n_stages=} {num_layers=}")
+        raise ValueError(
+            f"stage_layer_counts: need 1 <= n_stages <= num_layers, got {n_stages=} {num_layers=}"
+        )
     base, extra = divmod(num_layers, n_stages)
     return [base + (1 if i < extra else 0) for i in range(n_stages)]
 
@@ -125,7 +131,9 @@ def split_into_stages(
         The stages in order; they share (not copy) the model's modules.
     """
     if not isinstance(model, GPT):
-        raise TypeError(f"split_into_stages expects a splitgrad.models.GPT or MoEGPT, got {type(model).__name__}")
+        raise TypeError(
+            f"split_into_stages expects a splitgrad.models.GPT or MoEGPT, got {type(model).__name__}"
+        )
     num_layers = model.config.num_layers
     if n_stages < 1:
         raise ValueError(f"split_into_stages: n_stages must be >= 1, got {n_stages=}")
@@ -145,8 +153,6 @@ def split_into_stages(
                 "split_into_stages: layers_per_stage must have n_stages non-negative entries summing to "
                 f"num_layers, with no empty middle stage; got {counts=} {n_stages=} {num_layers=}"
             )
-        if n_stages == 1 and num_layers == 0:
-            raise ValueError("split_into_stages: a model needs at least one block")
     stages, start = [], 0
     for i, count in enumerate(counts):
         stages.append(PipelineStage(model, i, n_stages, range(start, start + count)))

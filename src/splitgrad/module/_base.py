@@ -81,6 +81,24 @@ class SplitModule(nn.Module):
         self._refresh_skip_backward_post_hook()
 
     # -- helpers for the autograd Functions -------------------------------------------------------------
+    def _apply_function(self, function: type[torch.autograd.Function], *args: object) -> object:
+        """``function.apply(*args)``, honouring ``torch.autocast``.
+
+        A custom Function is opaque to autocast, so under an enabled autocast every floating tensor argument
+        (input and parameters alike) is cast to the autocast dtype here and the Function runs with autocast
+        off — the same casts autocast would make for ``F.linear``. Gradients written by the module are cast
+        back to each parameter's dtype (``accumulate_grad``), or reduced in ``main_grad``'s precision.
+        """
+        device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        if not torch.is_autocast_enabled(device_type):
+            return function.apply(*args)
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = tuple(
+            a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        )
+        with torch.autocast(device_type, enabled=False):
+            return function.apply(*cast)
+
     def _splits_wgrad(self) -> bool:
         """Whether backward hands the wgrad to :meth:`_finish_wgrad` instead of returning it to autograd."""
         return self.need_backward_dw() or self.fuse_wgrad_accumulation

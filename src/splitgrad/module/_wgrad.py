@@ -40,7 +40,13 @@ def linear_wgrad(
 
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad += grad`` (the first write assigns), exactly what autograd's AccumulateGrad computes."""
+    """``param.grad += grad`` (the first write assigns), exactly what autograd's AccumulateGrad computes.
+
+    ``grad`` is cast to the parameter's dtype first (under autocast it is computed in the autocast dtype),
+    as autograd casts a returned gradient to its input's dtype.
+    """
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
     else:

@@ -154,7 +154,7 @@ class GroupedLinear(SplitModule):
         splits = self._check_splits(x, m_splits)
         params = [*self.weights, *(self.biases if self.use_bias else ())]
         x2 = x.reshape(-1, self.in_features)
-        y = GroupedLinearFunction.apply(x2, splits, self, *params)
+        y = self._apply_function(GroupedLinearFunction, x2, splits, self, *params)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
@@ -173,7 +173,8 @@ class GroupedLinear(SplitModule):
         return splits
 
     def _deferred_parameters(self) -> list[nn.Parameter]:
-        return [*self.weights, *(self.biases if self.use_bias else ())]
+        # Registration order (weight0, bias0, weight1, ...), the order named_parameters() reports.
+        return list(self.parameters())
 
     def _write_wgrad(
         self,

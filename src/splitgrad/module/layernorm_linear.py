@@ -159,8 +159,14 @@ class LayerNormLinear(SplitModule):
                 f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
                 f"got input shape {tuple(x.shape)}"
             )
-        return LayerNormLinearFunction.apply(
-            x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, self
+        return self._apply_function(
+            LayerNormLinearFunction,
+            x,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.weight,
+            self.bias,
+            self,
         )
 
     def _deferred_parameters(self) -> list[nn.Parameter]:

@@ -75,10 +75,13 @@ class LayerNormMLPFunction(torch.autograd.Function):
                 None,
             )  # fmt: skip
 
-        def compute() -> None:
-            owner._write_wgrad(dy2, act_out, dh, ln_out, want1=want1, want2=want2)
+        # A frozen fc1 owes nothing: do not keep its activation-sized operands alive until backward_dw.
+        dh_task = dh if any(want1) else None
 
-        saved = (dy2, act_out) if dh is None else (dy2, act_out, dh, ln_out)
+        def compute() -> None:
+            owner._write_wgrad(dy2, act_out, dh_task, ln_out, want1=want1, want2=want2)
+
+        saved = (dy2, act_out) if dh_task is None else (dy2, act_out, dh_task, ln_out)
         owner._finish_wgrad(compute, saved=saved)
         return dx, dg, dbeta, None, None, None, None, None
 
@@ -170,8 +173,8 @@ class LayerNormMLP(SplitModule):
                 f"{self._describe()}: input's last dimension must be hidden_size={self.hidden_size}, "
                 f"got input shape {tuple(x.shape)}"
             )
-        return LayerNormMLPFunction.apply(
-            x, self.layer_norm_weight, self.layer_norm_bias,
+        return self._apply_function(
+            LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
             self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self,
         )  # fmt: skip
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ._base import SplitModule
-from ._wgrad import accumulate_grad, bias_wgrad, linear_wgrad, linear_wgrad_into_main_grad
+from ._layers import linear_init_, write_linear_wgrad
+from ._wgrad import linear_wgrad
 
 __all__ = ["Linear", "LinearFunction"]
 
@@ -97,10 +96,7 @@ class Linear(SplitModule):
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialisation, so seeded models match it exactly."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+        linear_init_(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` -> ``(..., out_features)``."""
@@ -109,22 +105,17 @@ class Linear(SplitModule):
                 f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
                 f"got input shape {tuple(x.shape)}"
             )
-        return LinearFunction.apply(x, self.weight, self.bias, self)
+        return self._apply_function(LinearFunction, x, self.weight, self.bias, self)
 
     def _deferred_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def _write_wgrad(self, dy2: torch.Tensor, x2: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
         """Write this layer's gradients for ``dy2: (tokens, out)`` and ``x2: (tokens, in)``."""
-        if self.fuse_wgrad_accumulation and want_w:
-            linear_wgrad_into_main_grad(self.weight, dy2, x2, self._describe())
-            db = bias_wgrad(dy2) if want_b else None
-        else:
-            dw, db = linear_wgrad(dy2, x2, with_bias=want_b)
-            if want_w:
-                accumulate_grad(self.weight, dw)
-        if db is not None:
-            accumulate_grad(self.bias, db)
+        write_linear_wgrad(
+            self.weight, self.bias, dy2, x2,
+            want_w=want_w, want_b=want_b, fused=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight",
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

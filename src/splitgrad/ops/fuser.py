@@ -14,6 +14,7 @@ registry changes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -89,6 +90,26 @@ def default_fusions() -> FusionRegistry:
     )
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Layout:
+    """A fuser's basic ops and where each one's extra inputs sit in a call's ``extra_inputs``."""
+
+    #: The basic ops in forward order.
+    ops: list[BasicOperation]
+    #: ``(start, stop)`` into ``extra_inputs`` per basic op.
+    extra_spans: list[tuple[int, int]]
+    #: How many extra inputs a call takes in all.
+    n_extra: int
+
+    @classmethod
+    def of(cls, ops: Iterable[BasicOperation]) -> _Layout:
+        ops, spans, pos = list(ops), [], 0
+        for op in ops:
+            spans.append((pos, pos + op.num_extra_inputs))
+            pos += op.num_extra_inputs
+        return cls(ops=ops, extra_spans=spans, n_extra=pos)
+
+
 class _Plan:
     """A fusion result: ops with the positions of the basic ops each one covers."""
 
@@ -102,6 +123,9 @@ def _make_plan(basic: list[BasicOperation], fusions: Sequence[FusionFn], kind: s
     ops: list[Op] = list(basic)
     for fn in fusions:
         ops = list(fn(list(ops)))
+        strays = [type(op).__name__ for op in ops if not isinstance(op, (BasicOperation, FusedOperation))]
+        if strays:
+            raise TypeError(f"{kind} fusion {getattr(fn, '__name__', fn)!r} returned non-ops: {strays}")
         flat = [b for op in ops for b in op.basic_ops()]
         if len(flat) != len(basic) or any(a is not b for a, b in zip(flat, basic)):
             raise RuntimeError(
@@ -130,23 +154,24 @@ class OperationFuser:
     def __init__(self, ops: Sequence[FusibleOperation], fusions: FusionRegistry | None = None) -> None:
         self.ops = list(ops)
         self.fusions = FusionRegistry() if fusions is None else fusions
-        self._plans: tuple[int, list[BasicOperation], _Plan, _Plan] | None = None
+        self._plans: tuple[int, _Layout, _Plan, _Plan] | None = None
 
     @property
     def basic_ops(self) -> list[BasicOperation]:
-        return [b for op in self.ops for b in op.basic_ops()]
+        return list(self.plans()[0].ops)
 
     @property
     def num_extra_inputs(self) -> int:
-        return sum(op.num_extra_inputs for op in self.ops)
+        return self.plans()[0].n_extra
 
-    def plans(self) -> tuple[list[BasicOperation], _Plan, _Plan]:
-        """The basic ops and the (forward, backward) plans, recomputed when the registry changed."""
+    def plans(self) -> tuple[_Layout, _Plan, _Plan]:
+        """The basic-op layout and the (forward, backward) plans, recomputed when the registry changed."""
         if self._plans is None or self._plans[0] != self.fusions.version:
-            basic = self.basic_ops
-            fwd = _make_plan(basic, self.fusions.forward, "forward")
-            bwd = _make_plan(basic, self.fusions.backward, "backward")
-            self._plans = (self.fusions.version, basic, fwd, bwd)
+            layout = _Layout.of(b for op in self.ops for b in op.basic_ops())
+            fwd = _make_plan(layout.ops, self.fusions.forward, "forward")
+            bwd = _make_plan(layout.ops, self.fusions.backward, "backward")
+            self._plans = (self.fusions.version, layout, fwd, bwd)
+            logger.debug("fusion plan: forward %s, backward %s", self.forward_ops, self.backward_ops)
         return self._plans[1], self._plans[2], self._plans[3]
 
     @property
@@ -164,18 +189,14 @@ class OperationFuser:
             raise TypeError(f"fusible ops take a tensor input, got {type(x).__name__}")
         for op in self.ops:
             op.pre_forward()
-        basic, fwd, bwd = self.plans()
-        counts = [b.num_extra_inputs for b in basic]
-        if sum(counts) != len(extra_inputs):
-            names = [type(b).__name__ for b, c in zip(basic, counts) if c]
+        layout, fwd, bwd = self.plans()
+        basic = layout.ops
+        if len(extra_inputs) != layout.n_extra:
             raise ValueError(
-                f"ops {names or [type(b).__name__ for b in basic]} take {sum(counts)} extra input(s) "
+                f"ops {[type(b).__name__ for b in basic]} take {layout.n_extra} extra input(s) "
                 f"(e.g. GroupedLinear's split_sizes), got {len(extra_inputs)}"
             )
-        per_op, pos = [], 0
-        for c in counts:
-            per_op.append(tuple(extra_inputs[pos : pos + c]))
-            pos += c
+        per_op = [tuple(extra_inputs[a:b]) for a, b in layout.extra_spans]
         params = [b.op_parameters() for b in basic]
         flat_params = [p for ps in params for p in ps]
         state = _State(basic, fwd, bwd, per_op, [len(ps) for ps in params], torch.is_grad_enabled())
@@ -185,7 +206,16 @@ class OperationFuser:
 class _State:
     """Everything one fuser call hands its autograd Function besides tensors."""
 
-    __slots__ = ("backward_plan", "basic", "ctxs", "extra_inputs", "forward_plan", "grad_enabled", "n_params", "spans")
+    __slots__ = (
+        "backward_plan",
+        "basic",
+        "ctxs",
+        "extra_inputs",
+        "forward_plan",
+        "grad_enabled",
+        "n_params",
+        "spans",
+    )
 
     def __init__(self, basic, forward_plan, backward_plan, extra_inputs, n_params, grad_enabled) -> None:
         self.basic: list[BasicOperation] = basic
@@ -244,7 +274,7 @@ class _FuserFunction(torch.autograd.Function):
                 c.saved_tensors = ()
         flat: list[torch.Tensor | None] = []
         for op, g, n in zip(state.basic, grads, state.n_params):
-            if g is None or len(g) == 0:
+            if g is None:
                 flat.extend([None] * n)
             elif len(g) != n:
                 raise RuntimeError(

@@ -22,13 +22,10 @@ i.e. one autograd Function per run of consecutive ops.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .fuser import OperationFuser
 
 __all__ = ["BasicOperation", "FusedOperation", "FusibleOperation", "OperationContext", "ParamGrads"]
 

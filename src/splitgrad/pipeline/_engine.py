@@ -28,7 +28,6 @@ __all__ = ["EngineRun", "run_engine"]
 _F = ActionKind.F
 _B = ActionKind.B
 _W = ActionKind.W
-_BW = ActionKind.BW
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +67,10 @@ def run_engine(
     rank_actions = schedule.rank_actions
     n_ranks = len(rank_actions)
     size = n_stages * m
+    # Latency added to an input from the previous / next stage: comm across ranks, 0 for a local hand-off.
+    from_prev = [comm if s > 0 and s2r[s - 1] != s2r[s] else 0.0 for s in range(n_stages)]
+    from_next = [comm if s + 1 < n_stages and s2r[s + 1] != s2r[s] else 0.0 for s in range(n_stages)]
+    bw = [b[s] + w[s] for s in range(n_stages)]
     fend: list[float | None] = [None] * size
     gend: list[float | None] = [None] * size  # end of B or BW: the input gradient exists
     split: list[bool] = [False] * size  # gend came from a B (so a W is expected)
@@ -81,6 +84,7 @@ def run_engine(
     refused: dict[int, bool] = {}
     work = list(range(n_ranks - 1, -1, -1))
     last = n_stages - 1
+    F, B, W = _F, _B, _W
 
     while work:
         r = work.pop()
@@ -88,20 +92,19 @@ def run_engine(
         n_acts = len(acts)
         p = ptr[r]
         t = free[r]
-        st = starts[r]
-        en = ends[r]
+        st_append = starts[r].append
+        en_append = ends[r].append
         while p < n_acts:
             s, k, i = acts[p]
             idx = s * m + i
-            ready = t
-            if k is _F:
-                if s > 0:
+            if k is F:
+                ready = t
+                if s:
                     d = fend[idx - m]
                     if d is None:
                         wait_f.setdefault(idx - m, []).append(r)
                         break
-                    if s2r[s - 1] != r:
-                        d += comm
+                    d += from_prev[s]
                     if d > ready:
                         ready = d
                 if fend[idx] is not None:
@@ -109,10 +112,11 @@ def run_engine(
                     break
                 e = ready + f[s]
                 fend[idx] = e
-                waiters = wait_f.pop(idx, None)
-                if waiters:
-                    work.extend(waiters)
-            elif k is _W:
+                if wait_f:
+                    waiters = wait_f.pop(idx, None)
+                    if waiters:
+                        work.extend(waiters)
+            elif k is W:
                 d = gend[idx]
                 if d is None:
                     wait_g.setdefault(idx, []).append(r)
@@ -120,8 +124,7 @@ def run_engine(
                 if not split[idx] or wdone[idx]:
                     refused[r] = True
                     break
-                if d > ready:
-                    ready = d
+                ready = d if d > t else t
                 e = ready + w[s]
                 wdone[idx] = True
             else:  # B or BW
@@ -129,31 +132,30 @@ def run_engine(
                 if d is None:
                     wait_f.setdefault(idx, []).append(r)
                     break
-                if d > ready:
-                    ready = d
+                ready = d if d > t else t
                 if s < last:
                     d = gend[idx + m]
                     if d is None:
                         wait_g.setdefault(idx + m, []).append(r)
                         break
-                    if s2r[s + 1] != r:
-                        d += comm
+                    d += from_next[s]
                     if d > ready:
                         ready = d
                 if gend[idx] is not None:
                     refused[r] = True
                     break
-                if k is _B:
+                if k is B:
                     e = ready + b[s]
                     split[idx] = True
                 else:
-                    e = ready + b[s] + w[s]
+                    e = ready + bw[s]
                 gend[idx] = e
-                waiters = wait_g.pop(idx, None)
-                if waiters:
-                    work.extend(waiters)
-            st.append(ready)
-            en.append(e)
+                if wait_g:
+                    waiters = wait_g.pop(idx, None)
+                    if waiters:
+                        work.extend(waiters)
+            st_append(ready)
+            en_append(e)
             t = e
             p += 1
         ptr[r] = p

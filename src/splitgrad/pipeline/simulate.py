@@ -21,16 +21,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 from ._engine import run_engine
+from ._perf import gc_paused
 from .actions import ActionKind, Schedule
 from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace
 
 __all__ = ["Costs", "SimulationResult", "simulate", "stage_costs"]
 
 Costs = float | Sequence[float]
+_stage_of, _kind_of = itemgetter(0), itemgetter(1)
 """One cost for every stage, or one per stage (length ``n_stages``)."""
 
 
@@ -133,6 +137,7 @@ class SimulationResult:
         )
 
 
+@gc_paused()
 def simulate(
     schedule: Schedule,
     f: Costs = 1.0,
@@ -166,12 +171,14 @@ def simulate(
     run = run_engine(schedule, fc, bc, wc, float(comm))
     if not run.completed:
         validate(schedule)  # raises with the full explanation
-        raise AssertionError("unreachable: engine blocked on a schedule validate() accepts")  # pragma: no cover
-    expected = 3 * schedule.n_stages * schedule.n_microbatches
-    counted = sum(2 if a.kind is ActionKind.BW else 1 for acts in schedule.rank_actions for a in acts)
-    if counted != expected:
+        raise AssertionError(
+            "unreachable: engine blocked on a schedule validate() accepts"
+        )  # pragma: no cover
+    result, n_full_backward = _summarise(schedule, run.starts, run.ends, fc, bc, wc, float(comm))
+    # The engine refuses duplicates, so a complete schedule has exactly 3 n m units of work (BW counts 2).
+    if schedule.n_actions + n_full_backward != 3 * schedule.n_stages * schedule.n_microbatches:
         validate(schedule)  # a missing action: validate names it
-    return _summarise(schedule, run.starts, run.ends, fc, bc, wc, float(comm))
+    return result
 
 
 def _summarise(
@@ -182,37 +189,35 @@ def _summarise(
     bc: tuple[float, ...],
     wc: tuple[float, ...],
     comm: float,
-) -> SimulationResult:
+) -> tuple[SimulationResult, int]:
+    """Spans, work, peaks; also returns the number of ``BW`` actions (for the completeness check)."""
     m = schedule.n_microbatches
     n_ranks = schedule.n_ranks
     rank_spans = tuple((st[0], en[-1]) if st else (0.0, 0.0) for st, en in zip(starts, ends))
     rank_work = [0.0] * n_ranks
     for s, r in enumerate(schedule.stage_to_rank):
         rank_work[r] += m * (fc[s] + bc[s] + wc[s])
-    stage_lo = [math.inf] * schedule.n_stages
-    stage_hi = [-math.inf] * schedule.n_stages
+    # Live activations: +1 at F, -1 at W or BW; the per-rank peak is the running sum's maximum.
+    delta = {ActionKind.F: 1, ActionKind.B: 0, ActionKind.W: -1, ActionKind.BW: -1}.__getitem__
     peaks = []
-    f_kind, w_kind, bw_kind = ActionKind.F, ActionKind.W, ActionKind.BW
+    n_full_backward = 0
+    stage_spans: list[tuple[float, float]] = [(0.0, 0.0)] * schedule.n_stages
     for r, acts in enumerate(schedule.rank_actions):
-        live = peak = 0
-        for (s, k, _), lo, hi in zip(acts, starts[r], ends[r]):
-            if k is f_kind:
-                live += 1
-                if live > peak:
-                    peak = live
-            elif k is w_kind or k is bw_kind:
-                live -= 1
-            if lo < stage_lo[s]:
-                stage_lo[s] = lo
-            if hi > stage_hi[s]:
-                stage_hi[s] = hi
-        peaks.append(peak)
+        kinds = list(map(_kind_of, acts))
+        n_full_backward += kinds.count(ActionKind.BW)
+        peaks.append(max(0, *accumulate(map(delta, kinds))) if kinds else 0)
+        stages = list(map(_stage_of, acts))
+        for s in schedule.stages_of(r):
+            if s in stages:
+                first = stages.index(s)
+                last = len(stages) - 1 - stages[::-1].index(s)
+                stage_spans[s] = (starts[r][first], ends[r][last])
     span_lengths = [hi - lo for lo, hi in rank_spans]
     critical = max(range(n_ranks), key=span_lengths.__getitem__)
     cost = span_lengths[critical]
     bubble = (cost - rank_work[critical]) / cost if cost > 0 else 0.0
     makespan = max(hi for _, hi in rank_spans) - min(lo for lo, _ in rank_spans)
-    return SimulationResult(
+    result = SimulationResult(
         schedule=schedule,
         starts=tuple(tuple(st) for st in starts),
         ends=tuple(tuple(en) for en in ends),
@@ -221,6 +226,7 @@ def _summarise(
         bubble_ratio=max(bubble, 0.0),
         rank_spans=rank_spans,
         rank_work=tuple(rank_work),
-        stage_spans=tuple(zip(stage_lo, stage_hi)),
+        stage_spans=tuple(stage_spans),
         peak_activations=tuple(peaks),
     )
+    return result, n_full_backward

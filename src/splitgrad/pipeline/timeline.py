@@ -117,7 +117,7 @@ def render_ascii(
     t0 = min(e.start for e in compute)
 
     def col(t: float) -> int:
-        return int(round((t - t0) / unit))
+        return round((t - t0) / unit)
 
     n_cols = max(col(e.end) for e in compute)
     shown = min(n_cols, max_columns)

@@ -105,7 +105,12 @@ class BasicLinear(BasicOperation, SplitModule):
 
         def compute() -> None:
             write_weight_grad(
-                self.weight, dy2, x2, into_main_grad=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight"
+                self.weight,
+                dy2,
+                x2,
+                into_main_grad=self.fuse_wgrad_accumulation,
+                owner=self._describe(),
+                name="weight",
             )
 
         self._finish_wgrad(compute, saved=(dy2, x2))

@@ -1,0 +1,110 @@
+"""``python -m splitgrad schedule NAME``: build, validate and simulate a pipeline schedule; draw it.
+
+Examples::
+
+    python -m splitgrad schedule zb-h1 --stages 4 --microbatches 8 --png zb-h1.png
+    python -m splitgrad schedule zb-auto --stages 4 --microbatches 8 --f 1 --b 1.2 --w 0.8 --memory-limit 6
+    python -m splitgrad schedule interleaved-1f1b --stages 8 --stages-per-rank 2 --microbatches 8 --ascii
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "parse_costs", "run"]
+
+
+def parse_costs(text: str) -> float | list[float]:
+    """``"1.5"`` -> one cost for every stage; ``"1,2,1,1"`` -> one per stage."""
+    try:
+        values = [float(tok) for tok in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers, got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 else values
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``schedule`` sub-command on ``subparsers`` and return its parser."""
+    from splitgrad.pipeline import schedule_names
+
+    parser = subparsers.add_parser(
+        "schedule",
+        help="build, validate and simulate a pipeline schedule",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=schedule_names(), help="schedule family")
+    parser.add_argument("--stages", type=int, default=4, help="total model stages (default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    parser.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b: stages per rank (default 2)")
+    parser.add_argument("--split-backward", action="store_true", help="gpipe/1f1b/interleaved: B + W, not BW")
+    parser.add_argument("--memory-limit", type=int, help="zb-auto: activations per rank (default: stages)")
+    parser.add_argument("--f", type=parse_costs, default=1.0, help="forward cost, one or one per stage")
+    parser.add_argument("--b", type=parse_costs, default=1.0, help="input-gradient cost")
+    parser.add_argument("--w", type=parse_costs, default=1.0, help="weight-gradient cost")
+    parser.add_argument("--comm", type=float, default=0.0, help="transfer latency between ranks")
+    parser.add_argument("--ascii", action="store_true", help="print the simulated timeline as a grid")
+    parser.add_argument("--text", action="store_true", help="print the schedule's text form")
+    parser.add_argument("--png", help="write a Gantt chart PNG here (needs matplotlib)")
+    parser.add_argument("--trace", help="write a Chrome-trace / Perfetto JSON here")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if args.stages_per_rank is not None:
+        options["stages_per_rank"] = args.stages_per_rank
+    if args.split_backward:
+        options["split_backward"] = True
+    if args.name == "zb-auto":
+        options.update(f=args.f, b=args.b, w=args.w, comm=args.comm)
+    if args.memory_limit is not None:
+        options["memory_limit"] = args.memory_limit
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sub-command; returns the exit code (0 ok, 1 invalid schedule, 2 bad arguments)."""
+    from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate, write_chrome_trace
+
+    try:
+        schedule = build_schedule(args.name, args.stages, args.microbatches, **_options(args))
+        validate(schedule)
+        result = simulate(schedule, args.f, args.b, args.w, args.comm)
+    except ScheduleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    spans = [hi - lo for lo, hi in result.rank_spans]
+    critical = max(range(len(spans)), key=spans.__getitem__)
+    print(
+        f"schedule {schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, "
+        f"{schedule.n_microbatches} microbatches, {schedule.n_actions} actions: valid"
+    )
+    print(
+        f"simulated (f={args.f}, b={args.b}, w={args.w}, comm={args.comm}): makespan {result.makespan:g}, "
+        f"bubble {100 * result.bubble_ratio:.2f}% (rank {critical}: span {spans[critical]:g}, "
+        f"work {result.rank_work[critical]:g})"
+    )
+    print("peak activations per rank: " + " ".join(str(p) for p in result.peak_activations))
+    if args.text:
+        print(schedule.to_text(), end="")
+    if args.ascii:
+        print(result.to_ascii())
+    if args.trace:
+        print(f"wrote {write_chrome_trace(result.events(), args.trace)}")
+    if args.png:
+        try:
+            print(f"wrote {result.save_png(args.png)}")
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 0

@@ -1,0 +1,14 @@
+"""Data parallelism driven by gradient readiness (autograd hooks and splitgrad's wgrad hooks).
+
+:class:`DistributedDataParallel` gives every trainable parameter a ``main_grad`` view into a contiguous
+per-dtype buffer, reduces buckets asynchronously as soon as all their gradients (deferred weight gradients
+included) have arrived, and leaves the data-parallel average in ``main_grad`` after ``finish_grad_sync()``.
+"""
+
+from __future__ import annotations
+
+from .buckets import Bucket, GradBuffer
+from .config import DDPConfig
+from .ddp import DistributedDataParallel
+
+__all__ = ["Bucket", "DDPConfig", "DistributedDataParallel", "GradBuffer"]

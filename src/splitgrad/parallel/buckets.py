@@ -1,0 +1,238 @@
+"""Contiguous gradient buffers and the buckets they are cut into.
+
+One :class:`GradBuffer` per ``(device, dtype)`` holds every trainable parameter's gradient as a view
+(``param.main_grad``). Parameters are laid out in the order given (the wrapper passes reverse registration
+order, i.e. roughly backprop order) and the buffer is cut into :class:`Bucket`\\ s of about ``bucket_size``
+elements, each reduced by one asynchronous collective. A parameter never straddles two buckets.
+
+Nothing here knows about hooks or readiness; a bucket only knows how to start and finish its collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Bucket", "GradBuffer", "build_buffers"]
+
+logger = logging.getLogger(__name__)
+
+#: Every parameter starts at a multiple of this many elements: 256 bytes for float32, the alignment vectorised
+#: accelerator kernels and NCCL like. The padding is zero and costs nothing in correctness.
+ALIGN = 64
+
+# `reduce_scatter_tensor` was renamed in recent torch; keep both working (pyproject allows torch>=2.4).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class GradBuffer:
+    """A zero-initialised flat tensor holding the gradients of parameters of one ``(device, dtype)``.
+
+    Args:
+        dtype: the gradient (and reduction) dtype.
+        device: where the buffer lives (the parameters' device).
+        numel: total elements, padding included.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, numel: int) -> None:
+        self.dtype = dtype
+        self.device = device
+        self.data = torch.zeros(numel, dtype=dtype, device=device)
+        self.buckets: list[Bucket] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"GradBuffer({self.dtype}, {self.device}, numel={self.data.numel()}, buckets={len(self.buckets)})"
+        )
+
+
+class Bucket:
+    """A contiguous slice of a :class:`GradBuffer` made of whole parameters, reduced by one collective.
+
+    Attributes:
+        index: position in the wrapper's launch order (collectives are issued in this order on every rank).
+        params: the parameters whose ``main_grad`` lies in this bucket, in layout order.
+        names: their qualified names (for error messages).
+        param_ranges: ``(start, end)`` of each parameter inside :attr:`data` (elements).
+        data: ``(numel,)`` view of the buffer; ``numel`` is a multiple of the world size.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        buffer: GradBuffer,
+        start: int,
+        end: int,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        param_ranges: Sequence[tuple[int, int]],
+    ) -> None:
+        self.index = index
+        self.buffer = buffer
+        self.params = tuple(params)
+        self.names = tuple(names)
+        self.param_ranges = tuple(param_ranges)
+        self.data = buffer.data[start:end]
+        self._work: dist.Work | None = None
+        self._post_divide = 0
+        self.launched = False
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a collective was started and not yet waited for."""
+        return self._work is not None
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def shard(self, rank: int, world_size: int) -> torch.Tensor:
+        """``(numel / world_size,)`` view: the part of :attr:`data` a reduce-scatter leaves on ``rank``."""
+        return self.data.view(world_size, -1)[rank]
+
+    def launch(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        world_size: int,
+        rank: int,
+        average: str,
+        reduce_scatter: bool,
+    ) -> None:
+        """Start the asynchronous collective over :attr:`data`.
+
+        Args:
+            group: the data-parallel process group.
+            world_size: its size; rank: this process's rank in it.
+            average: ``"op"`` (use ``ReduceOp.AVG``), ``"pre"`` (divide, then sum) or ``"post"`` (sum, then
+                divide in :meth:`wait`).
+            reduce_scatter: reduce-scatter (each rank keeps its :meth:`shard`) instead of all-reduce.
+        """
+        if self.launched:
+            raise RuntimeError(f"bucket {self.index} ({self.describe()}) was already launched this step")
+        op = dist.ReduceOp.SUM
+        if average == "op":
+            op = dist.ReduceOp.AVG
+        elif average == "pre":
+            # torch DDP's reducer divides before summing too; doing the same keeps results bit-identical to it.
+            self.data.div_(world_size)
+        self._post_divide = world_size if average == "post" else 0
+        if reduce_scatter:
+            self._work = _reduce_scatter(
+                self.shard(rank, world_size), self.data, op=op, group=group, async_op=True
+            )
+        else:
+            self._work = dist.all_reduce(self.data, op=op, group=group, async_op=True)
+        self.launched = True
+
+    def wait(self, timeout: datetime.timedelta | None, *, rank: int) -> None:
+        """Block until the collective finished (at most ``timeout``; None: the group's own timeout)."""
+        if self._work is None:
+            raise RuntimeError(f"bucket {self.index} ({self.describe()}) was never launched")
+        work, self._work = self._work, None  # a failed collective is abandoned, not waited for twice
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        except Exception as exc:
+            raise RuntimeError(
+                f"DistributedDataParallel: the gradient reduction of bucket {self.index} ({self.describe()}) "
+                f"did not complete on rank {rank} ({exc}). A peer rank probably never issued it: it ran a "
+                "different number of backward passes, skipped finish_grad_sync(), or crashed."
+            ) from exc
+        if self._post_divide:
+            self.data.div_(self._post_divide)
+
+    def reset(self) -> None:
+        """Forget this step's collective (after :meth:`wait`, or before any launch)."""
+        if self._work is not None:
+            raise RuntimeError(f"bucket {self.index} ({self.describe()}) is still being reduced")
+        self.launched = False
+
+    def describe(self, limit: int = 3) -> str:
+        shown = ", ".join(self.names[:limit])
+        more = f", … {len(self.names) - limit} more" if len(self.names) > limit else ""
+        return f"{len(self.params)} param(s): {shown}{more}; {self.numel} x {self.buffer.dtype}"
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, {self.describe()}, launched={self.launched})"
+
+
+def build_buffers(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    *,
+    bucket_size: int,
+    grad_dtype_for: dict[torch.dtype, torch.dtype],
+    world_size: int,
+) -> tuple[list[GradBuffer], list[Bucket]]:
+    """Lay ``named_params`` out (in the given order) into per-``(device, dtype)`` buffers and buckets.
+
+    Sets ``param.main_grad`` (a view into its buffer) on every parameter.
+
+    Args:
+        named_params: trainable parameters in layout order (the wrapper passes backprop order).
+        bucket_size: a bucket is closed once it holds at least this many elements.
+        grad_dtype_for: parameter dtype -> gradient buffer dtype.
+        world_size: bucket sizes are padded to a multiple of it (reduce-scatter needs equal shards).
+
+    Returns:
+        ``(buffers, buckets)``; buckets are ordered by the position of their first parameter in
+        ``named_params``, which is the order their collectives are issued in.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, nn.Parameter]]] = {}
+    for pos, (name, p) in enumerate(named_params):
+        key = (p.device, grad_dtype_for[p.dtype])
+        groups.setdefault(key, []).append((pos, name, p))
+
+    buffers: list[GradBuffer] = []
+    planned: list[tuple[int, GradBuffer, int, int, list, list, list]] = []
+    for (device, dtype), members in groups.items():
+        # Plan the cuts first, then allocate once.
+        cuts: list[tuple[int, int, list[tuple[int, str, nn.Parameter]], list[tuple[int, int]]]] = []
+        offset = start = 0
+        current: list[tuple[int, str, nn.Parameter]] = []
+        ranges: list[tuple[int, int]] = []
+        for member in members:
+            p = member[2]
+            offset = _round_up(offset, ALIGN)
+            ranges.append((offset - start, offset - start + p.numel()))
+            current.append(member)
+            offset += p.numel()
+            if offset - start >= bucket_size:
+                end = start + _round_up(offset - start, ALIGN * world_size)
+                cuts.append((start, end, current, ranges))
+                offset = start = end
+                current, ranges = [], []
+        if current:
+            end = start + _round_up(offset - start, ALIGN * world_size)
+            cuts.append((start, end, current, ranges))
+            offset = end
+        buffer = GradBuffer(dtype, device, offset)
+        buffers.append(buffer)
+        for start, end, members_, ranges_ in cuts:
+            planned.append((members_[0][0], buffer, start, end, members_, ranges_, []))
+
+    buckets: list[Bucket] = []
+    for index, (_, buffer, start, end, members, ranges, _) in enumerate(sorted(planned, key=lambda t: t[0])):
+        bucket = Bucket(index, buffer, start, end, [m[2] for m in members], [m[1] for m in members], ranges)
+        for (_, _, p), (lo, hi) in zip(members, ranges):
+            p.main_grad = bucket.data[lo:hi].view(p.shape)
+        buffer.buckets.append(bucket)
+        buckets.append(bucket)
+    logger.debug(
+        "laid out %d parameter(s) into %d buffer(s), %d bucket(s)",
+        len(named_params),
+        len(buffers),
+        len(buckets),
+    )
+    return buffers, buckets

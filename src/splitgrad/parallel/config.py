@@ -1,0 +1,76 @@
+"""Options of :class:`~splitgrad.parallel.DistributedDataParallel`."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DDPConfig"]
+
+#: torch DDP's default bucket (``bucket_cap_mb=25``) expressed in float32 elements.
+DEFAULT_BUCKET_SIZE = 25 * 2**20 // 4
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPConfig:
+    """How gradients are laid out, reduced and exposed."""
+
+    bucket_size: int | None = None
+    """Elements per bucket (a bucket closes once it reaches this); None: 25 MiB of float32 (torch DDP's)."""
+
+    overlap_grad_reduce: bool = True
+    """Start each bucket's collective as soon as it is complete, during backward / ``backward_dw``. False:
+    every collective is issued in ``finish_grad_sync()``."""
+
+    grad_reduce_dtype: torch.dtype | None = torch.float32
+    """dtype of ``main_grad`` and of the collective. None: each parameter's own dtype. A parameter of a wider
+    floating dtype (float64) keeps its own, so no precision is silently lost."""
+
+    average_in_collective: bool = True
+    """Average inside the collective (``ReduceOp.AVG`` on NCCL, else divide by the world size before summing,
+    like torch DDP). False: sum, then divide after the collective."""
+
+    reduce_scatter: bool = False
+    """Reduce-scatter instead of all-reduce, for a sharded optimizer: after ``finish_grad_sync()`` only this
+    rank's shard of each bucket (``local_grad_shards()``) holds the average; ``.grad`` is not set."""
+
+    allow_unused_parameters: bool = False
+    """A parameter that received no gradient (or fewer than its forwards imply) is reduced as it is instead of
+    making ``finish_grad_sync()`` raise."""
+
+    expose_grads: bool = True
+    """After ``finish_grad_sync()``, set every parameter's ``.grad`` to its averaged ``main_grad`` (a view when
+    the dtypes match, else a cast copy), so any ``torch.optim`` optimizer consumes it unchanged."""
+
+    broadcast_at_init: bool = True
+    """Broadcast parameters and buffers from the group's rank 0 when wrapping (torch DDP does the same)."""
+
+    timeout: float | None = None
+    """Seconds to wait for one bucket's collective before raising; None: the process group's own timeout."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"DDPConfig: bucket_size must be positive, got {self.bucket_size=}")
+        if self.grad_reduce_dtype is not None and not self.grad_reduce_dtype.is_floating_point:
+            raise ValueError(
+                f"DDPConfig: grad_reduce_dtype must be a floating dtype, got {self.grad_reduce_dtype=}"
+            )
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"DDPConfig: timeout must be positive seconds or None, got {self.timeout=}")
+
+    @property
+    def resolved_bucket_size(self) -> int:
+        return DEFAULT_BUCKET_SIZE if self.bucket_size is None else self.bucket_size
+
+    @property
+    def wait_timeout(self) -> datetime.timedelta | None:
+        return None if self.timeout is None else datetime.timedelta(seconds=self.timeout)
+
+    def grad_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The ``main_grad`` dtype for a parameter of ``param_dtype``."""
+        wanted = self.grad_reduce_dtype
+        if wanted is None or not param_dtype.is_floating_point:
+            return param_dtype
+        return param_dtype if torch.finfo(param_dtype).bits > torch.finfo(wanted).bits else wanted

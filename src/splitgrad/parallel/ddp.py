@@ -1,0 +1,368 @@
+"""Data parallelism driven by gradient readiness, deferred weight gradients included.
+
+With ``delay_wgrad_compute`` a weight gradient does not exist when autograd's ``AccumulateGrad`` runs, so a
+DDP listening to autograd reduces nothing (or garbage). This wrapper learns that a gradient is ready from two
+sources and treats them alike:
+
+* parameters whose gradient flows through autograd: a post-accumulate-grad hook;
+* parameters with ``skip_backward_post_hook`` (their module writes the gradient itself, in ``backward_dw`` or,
+  when fused, inside backward): the owning module's/op's ``register_wgrad_accumulation_and_reduce_hooks``.
+
+Either hook adds any ``.grad`` into ``param.main_grad`` (a view into a contiguous per-dtype buffer), drops
+``.grad``, and records one contribution. A bucket whose parameters have all their expected contributions
+(see :mod:`splitgrad.parallel.readiness`) starts its asynchronous collective at once, overlapping the rest of
+backward / ``backward_dw``; collectives are issued in bucket order on every rank, so ranks whose buckets
+complete in different orders still pair them correctly. ``finish_grad_sync()`` waits for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..whole_model import ensure_no_pending_wgrad, split_modules
+from .buckets import Bucket, GradBuffer, build_buffers
+from .config import DDPConfig
+from .readiness import StepCounts, count_contributions
+
+__all__ = ["DistributedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` for data-parallel training with overlapped, wgrad-aware gradient reduction.
+
+    Every trainable parameter gets ``param.main_grad``; after :meth:`finish_grad_sync` it holds the
+    data-parallel **average** (and, with ``expose_grads``, ``param.grad`` points at it). Training loop::
+
+        ddp = DistributedDataParallel(model, process_group=pg)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        for x, y in batches:
+            ddp.zero_grad_buffer()
+            loss_fn(ddp(x), y).backward()
+            splitgrad.backward_dw(ddp)      # only needed with delay_wgrad_compute
+            ddp.finish_grad_sync()          # waits for the overlapped reductions
+            opt.step()
+
+    Args:
+        module: the model; available as ``.module``. Call it through this wrapper (``ddp(x)``): the wrapper
+            reads each forward's autograd graph to know how many gradient contributions to wait for.
+        process_group: the data-parallel group; None: the default (world) group.
+        bucket_size, overlap_grad_reduce, grad_reduce_dtype, average_in_collective, reduce_scatter,
+        allow_unused_parameters, expose_grads, broadcast_at_init, timeout: see :class:`DDPConfig`.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_size: int | None = None,
+        overlap_grad_reduce: bool = True,
+        grad_reduce_dtype: torch.dtype | None = torch.float32,
+        average_in_collective: bool = True,
+        reduce_scatter: bool = False,
+        allow_unused_parameters: bool = False,
+        expose_grads: bool = True,
+        broadcast_at_init: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = DDPConfig(
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            grad_reduce_dtype=grad_reduce_dtype,
+            average_in_collective=average_in_collective,
+            reduce_scatter=reduce_scatter,
+            allow_unused_parameters=allow_unused_parameters,
+            expose_grads=expose_grads,
+            broadcast_at_init=broadcast_at_init,
+            timeout=timeout,
+        )
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel needs torch.distributed initialised (init_process_group)"
+            )
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"DistributedDataParallel: {type(module).__name__} has no trainable parameters")
+        for name, p in named:
+            if p.grad is not None:
+                raise ValueError(
+                    f"DistributedDataParallel: parameter {name!r} already has a .grad; it would be reduced or "
+                    "lost unnoticed. Call model.zero_grad(set_to_none=True) before wrapping"
+                )
+            if hasattr(p, "main_grad"):
+                raise ValueError(
+                    f"DistributedDataParallel: parameter {name!r} already has a main_grad (wrapped twice?); "
+                    "call remove_hooks() on the other wrapper first"
+                )
+        # Reverse registration order approximates backprop order, so buckets complete front to back.
+        layout = list(reversed(named))
+        self._params = [p for _, p in layout]
+        self._names = [n for n, _ in layout]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._buffers, self._buckets = build_buffers(
+            layout,
+            bucket_size=self.config.resolved_bucket_size,
+            grad_dtype_for={p.dtype: self.config.grad_dtype(p.dtype) for p in self._params},
+            world_size=self.world_size,
+        )
+        bucket_of = [0] * len(self._params)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                bucket_of[self._index_of[id(p)]] = bucket.index
+        self._counts = StepCounts(bucket_of, len(self._buckets))
+        self._lock = threading.RLock()
+        self._sync = True
+        self._next_bucket = 0
+        self._grads_exposed = False
+        #: Bucket indices in the order their collectives were issued this step (diagnostics, tests).
+        self.launch_order: list[int] = []
+        #: Of the last finished step: the launch order, and how many buckets were already reducing when
+        #: finish_grad_sync() was called (all of them when backward hid every reduction).
+        self.last_launch_order: list[int] = []
+        self.last_launched_early = 0
+
+        self._handles = []
+        for i, p in enumerate(self._params):
+            p.grad_added_to_main_grad = False
+            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_autograd_grad, i)))
+        for _, owner in split_modules(module):
+            owned = [self._index_of[id(p)] for p in owner.get_backward_dw_params() if id(p) in self._index_of]
+            if owned:
+                hook = partial(self._on_wgrad, tuple(owned))
+                self._handles.append(owner.register_wgrad_accumulation_and_reduce_hooks(hook))
+        if self.config.broadcast_at_init:
+            self.broadcast_params()
+        logger.debug("%s", self)
+
+    # -- public API ---------------------------------------------------------------------------------------
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets, in the order their collectives are issued."""
+        return tuple(self._buckets)
+
+    @property
+    def grad_buffers(self) -> tuple[GradBuffer, ...]:
+        return tuple(self._buffers)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
+        if self._next_bucket and torch.is_grad_enabled():
+            raise RuntimeError(
+                "DistributedDataParallel.forward: gradients of the previous backward are already being reduced "
+                f"(buckets {self.launch_order} launched); call finish_grad_sync() before the next step, or run "
+                "all but the last microbatch inside no_sync()"
+            )
+        if self._grads_exposed:
+            self._hide_grads()
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            skip = [bool(getattr(p, "skip_backward_post_hook", False)) for p in self._params]
+            counts = count_contributions(out, self._index_of, skip)
+            if counts:
+                with self._lock:
+                    self._counts.add_expected(counts)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: contributions arriving inside the block start no collective.
+
+        Use it for every microbatch but the last; contributions of all microbatches are counted, so a
+        deferred weight gradient of an earlier microbatch that runs after the block (zero-bubble schedules)
+        still delays its bucket until it has arrived.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Issue the collectives not started yet, wait for all, leave the average in every ``main_grad``.
+
+        Raises:
+            RuntimeError: inside :meth:`no_sync`; while weight-gradient work is pending; when a parameter
+                received no gradient, or fewer contributions than its forwards imply (unless
+                ``allow_unused_parameters``); when a collective fails or times out.
+        """
+        if not self._sync:
+            raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside no_sync()")
+        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.finish_grad_sync()")
+        with self._lock, torch.no_grad(), torch.profiler.record_function("splitgrad.ddp.finish_grad_sync"):
+            launched_early = self._next_bucket
+            if not self.config.allow_unused_parameters:
+                self._check_all_arrived()
+            while self._next_bucket < len(self._buckets):
+                self._launch(self._buckets[self._next_bucket])
+            for bucket in self._buckets:
+                bucket.wait(self.config.wait_timeout, rank=self.rank)
+            self.last_launch_order, self.last_launched_early = self.launch_order, launched_early
+            self._start_new_step()
+        if self.config.expose_grads and not self.config.reduce_scatter:
+            for p in self._params:
+                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+            self._grads_exposed = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad``, drop ``.grad``, and start a new step (waits for in-flight reductions)."""
+        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.zero_grad_buffer()")
+        with self._lock, torch.no_grad():
+            for bucket in self._buckets:
+                if bucket.in_flight:
+                    bucket.wait(self.config.wait_timeout, rank=self.rank)
+            for buffer in self._buffers:
+                buffer.data.zero_()
+            for p in self._params:
+                p.grad = None
+                p.grad_added_to_main_grad = False
+            self._grads_exposed = False
+            self._start_new_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as :meth:`zero_grad_buffer` (``set_to_none`` is accepted for ``nn.Module`` compatibility)."""
+        del set_to_none
+        self.zero_grad_buffer()
+
+    def broadcast_params(self) -> None:
+        """Copy parameters and buffers of the group's rank 0 to every rank."""
+        src = dist.get_global_rank(self.process_group, 0)
+        tensors = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
+        works = [dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors]
+        timeout = self.config.wait_timeout
+        for work in works:
+            try:
+                work.wait() if timeout is None else work.wait(timeout=timeout)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"DistributedDataParallel.broadcast_params: broadcast from rank {src} did not complete on "
+                    f"rank {self.rank} ({exc}); did every rank construct the wrapper / call broadcast_params()?"
+                ) from exc
+
+    def local_grad_shards(self) -> list[torch.Tensor]:
+        """Per bucket, the ``(numel / world_size,)`` shard this rank owns (averaged after a reduce-scatter)."""
+        return [b.shard(self.rank, self.world_size) for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        """Detach from the module: remove every hook and the ``main_grad`` attributes."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for p in self._params:
+            for attr in ("main_grad", "grad_added_to_main_grad"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+    # -- readiness ----------------------------------------------------------------------------------------
+    def _on_autograd_grad(self, idx: int, param: torch.Tensor) -> None:
+        # Parameters whose module writes the gradient report through the wgrad hook; their AccumulateGrad
+        # still runs (with no gradient) and must not count.
+        if getattr(param, "skip_backward_post_hook", False) or param.grad is None:
+            return
+        self._contribute(idx)
+
+    def _on_wgrad(self, indices: tuple[int, ...]) -> None:
+        for idx in indices:
+            p = self._params[idx]
+            if p.grad is not None or p.grad_added_to_main_grad:
+                self._contribute(idx)
+
+    def _contribute(self, idx: int) -> None:
+        p = self._params[idx]
+        # backward_dw may run with grad mode on: the buffer must never join an autograd graph.
+        with self._lock, torch.no_grad():
+            bucket = self._buckets[self._counts.bucket_of[idx]]
+            if bucket.launched:
+                raise RuntimeError(
+                    f"DistributedDataParallel: a gradient for {self._names[idx]!r} arrived after its bucket "
+                    f"{bucket.index} started reducing (contributions: expected {self._counts.expected[idx]}, "
+                    f"this is number {self._counts.arrived[idx] + 1}). Run the model through the wrapper "
+                    "(ddp(x), not ddp.module(x)), backward each forward's output once, and wrap all but the "
+                    "last microbatch in no_sync()"
+                )
+            main_grad = p.main_grad
+            if p.grad_added_to_main_grad:
+                p.grad_added_to_main_grad = False
+            elif p.grad.data_ptr() != main_grad.data_ptr():
+                main_grad.add_(p.grad)
+            # else: .grad is the exposed main_grad view and autograd accumulated into it in place.
+            p.grad = None
+            self._counts.arrive(idx)
+            if self._sync and self.config.overlap_grad_reduce and self._counts.complete(bucket.index):
+                while self._next_bucket < len(self._buckets) and self._counts.complete(self._next_bucket):
+                    self._launch(self._buckets[self._next_bucket])
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.config.average_in_collective:
+            average = "op" if self._supports_avg(bucket) else "pre"
+        else:
+            average = "post"
+        with torch.profiler.record_function(f"splitgrad.ddp.reduce:bucket{bucket.index}"):
+            bucket.launch(
+                self.process_group,
+                world_size=self.world_size,
+                rank=self.rank,
+                average=average,
+                reduce_scatter=self.config.reduce_scatter,
+            )
+        self._next_bucket = bucket.index + 1
+        self.launch_order.append(bucket.index)
+        logger.debug("rank %d launched bucket %d (%s)", self.rank, bucket.index, bucket.describe())
+
+    def _supports_avg(self, bucket: Bucket) -> bool:
+        # NCCL averages natively; gloo does not everywhere (and torch DDP pre-divides on it), so pre-divide.
+        return bucket.buffer.device.type != "cpu" and "nccl" in str(dist.get_backend(self.process_group))
+
+    def _check_all_arrived(self) -> None:
+        short = self._counts.shortfalls(range(len(self._params)))
+        if not short:
+            return
+        listed = "; ".join(
+            f"{self._names[i]} ({f'{a} of {e} expected contributions' if e else 'not in any forward graph'})"
+            for i, a, e in short[:10]
+        )
+        more = f"; … {len(short) - 10} more" if len(short) > 10 else ""
+        raise RuntimeError(
+            f"DistributedDataParallel.finish_grad_sync(): {len(short)} parameter(s) were never made ready on "
+            f"rank {self.rank}: {listed}{more}. A parameter unused in the forward, a forward whose output was "
+            "not backwarded, or requires_grad changed after wrapping. Pass allow_unused_parameters=True if "
+            "unused parameters are expected"
+        )
+
+    def _start_new_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.reset()
+        self._counts.reset()
+        self._next_bucket = 0
+        self.launch_order = []
+
+    def _hide_grads(self) -> None:
+        # The exposed `.grad` views would let autograd accumulate into main_grad out of place (create_graph)
+        # and be counted twice; the data stays in main_grad either way.
+        for p in self._params:
+            if p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr():
+                p.grad = None
+        self._grads_exposed = False
+
+    def extra_repr(self) -> str:
+        return (
+            f"world_size={self.world_size}, params={len(self._params)}, buckets={len(self._buckets)}, "
+            f"overlap_grad_reduce={self.config.overlap_grad_reduce}, reduce_scatter={self.config.reduce_scatter}"
+        )

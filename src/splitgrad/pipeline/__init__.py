@@ -1,0 +1,73 @@
+"""Pipeline schedules as data: actions, schedule builders, validation, simulation and timelines.
+
+Nothing here starts processes or imports torch; a runtime interprets the :class:`Schedule` objects built here.
+
+Typical use::
+
+    from splitgrad.pipeline import build_schedule, simulate, validate
+
+    sched = build_schedule("zb-h1", n_stages=4, n_microbatches=8)
+    validate(sched)
+    result = simulate(sched, f=1.0, b=1.0, w=1.0)
+    print(result.bubble_ratio, result.peak_activations)
+    print(result.to_ascii())
+"""
+
+from __future__ import annotations
+
+from .actions import Action, ActionKind, Schedule, ScheduleError, Transfer, parse_action
+from .schedules import (
+    SCHEDULES,
+    AutoCandidate,
+    auto_candidates,
+    build_schedule,
+    dualpipev,
+    gpipe,
+    greedy_schedule,
+    interleaved_1f1b,
+    one_f_one_b,
+    schedule_names,
+    schedule_options,
+    zb_auto,
+    zb_h1,
+    zb_h2,
+    zbv,
+)
+from .simulate import SimulationResult, simulate
+from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace, write_chrome_trace
+from .validate import channel_order_problems, find_problems, render_listing, validate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "AutoCandidate",
+    "Schedule",
+    "ScheduleError",
+    "SimulationResult",
+    "TimelineEvent",
+    "Transfer",
+    "auto_candidates",
+    "build_schedule",
+    "channel_order_problems",
+    "dualpipev",
+    "find_problems",
+    "gpipe",
+    "greedy_schedule",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse_action",
+    "render_ascii",
+    "render_listing",
+    "save_png",
+    "schedule_names",
+    "schedule_options",
+    "simulate",
+    "to_chrome_trace",
+    "validate",
+    "write_chrome_trace",
+    "zb_auto",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+]

@@ -1,0 +1,211 @@
+"""Measured timelines of a pipeline runtime: recording, gathering, bubble ratio, and comparison with simulation.
+
+Each rank records the start and end of every action it runs (and of every receive it waits for) with
+``time.perf_counter`` relative to a step origin ``t0`` taken right after a barrier of the pipeline group, so
+all ranks share the origin up to the barrier's exit skew (tens of microseconds on one host). Events are
+:class:`~splitgrad.pipeline.TimelineEvent`\\ s in seconds, so the schedules' renderers draw measured and
+simulated runs alike. The measured bubble ratio uses the simulator's definition (the rank with the longest
+span; ``(span - compute) / span``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .actions import Action, Schedule
+from .simulate import SimulationResult, simulate
+from .timeline import TimelineEvent
+
+__all__ = [
+    "ActivationMeter",
+    "TimelineRecorder",
+    "gather_events",
+    "measured_bubble_ratio",
+    "measured_costs",
+    "simulate_measured",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class TimelineRecorder:
+    """Collects one rank's :class:`TimelineEvent`\\ s (seconds since the step's ``t0``).
+
+    Every action also opens a ``torch.profiler.record_function`` range named like the action (``"1F0"``), so
+    a profiler trace shows the same names, whether or not timeline recording is enabled.
+
+    Args:
+        rank: the pipeline rank the events are attributed to.
+        enabled: record events (the profiler ranges are opened either way).
+    """
+
+    def __init__(self, rank: int, *, enabled: bool = True) -> None:
+        self.rank = rank
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.events: list[TimelineEvent] = []
+
+    def start(self, t0: float | None = None) -> None:
+        """Begin a step: drop old events; ``t0`` defaults to now."""
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.events = []
+
+    @contextlib.contextmanager
+    def action(self, action: Action) -> Iterator[None]:
+        """Time the block as ``action``'s compute event."""
+        with torch.profiler.record_function(action.name):
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        if self.enabled:
+            self.events.append(TimelineEvent.from_action(self.rank, action, start - self.t0, end - self.t0))
+
+    def comm(self, label: str, start: float, end: float) -> None:
+        """Record a communication wait ``[start, end)`` (``perf_counter`` values) on the side track."""
+        if self.enabled:
+            self.events.append(TimelineEvent(self.rank, label, start - self.t0, end - self.t0, "comm"))
+
+
+def gather_events(
+    events: Sequence[TimelineEvent], *, group: dist.ProcessGroup | None = None, dst: int = 0
+) -> list[TimelineEvent] | None:
+    """Collect every rank's events on group rank ``dst`` (a collective: every rank of ``group`` calls it).
+
+    Returns:
+        All events sorted by start time on ``dst``; None on the other ranks.
+    """
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    gathered: list[list[tuple] | None] | None = [None] * size if rank == dst else None
+    dst_global = dst if group is None else dist.get_global_rank(group, dst)
+    dist.gather_object([tuple(e) for e in events], gathered, dst=dst_global, group=group)
+    if gathered is None:
+        return None
+    merged = [TimelineEvent(*e) for part in gathered for e in (part or ())]
+    return sorted(merged, key=lambda e: (e.start, e.rank))
+
+
+def _spans(events: Iterable[TimelineEvent]) -> dict[int, tuple[float, float, float]]:
+    """Per rank: ``(first compute start, last compute end, compute time)``."""
+    out: dict[int, tuple[float, float, float]] = {}
+    for e in events:
+        if not e.is_compute:
+            continue
+        lo, hi, work = out.get(e.rank, (math.inf, -math.inf, 0.0))
+        out[e.rank] = (min(lo, e.start), max(hi, e.end), work + (e.end - e.start))
+    return out
+
+
+def measured_bubble_ratio(events: Iterable[TimelineEvent]) -> float:
+    """The simulator's bubble ratio on measured events: ``(span - compute) / span`` of the longest-span rank.
+
+    Raises:
+        ValueError: no compute events.
+    """
+    spans = _spans(events)
+    if not spans:
+        raise ValueError("measured_bubble_ratio needs at least one compute event (F, B, W or BW)")
+    lo, hi, work = max(spans.values(), key=lambda s: s[1] - s[0])
+    return max((hi - lo - work) / (hi - lo), 0.0) if hi > lo else 0.0
+
+
+def measured_costs(
+    events: Iterable[TimelineEvent], n_stages: int
+) -> tuple[list[float], list[float], list[float], float]:
+    """Median measured ``f``, ``b``, ``w`` per stage and the median receive wait, for :func:`simulate`.
+
+    A stage that only ran ``BW`` gets ``b`` = its ``BW`` median and ``w = 0`` (the split is unknown).
+
+    Returns:
+        ``(f, b, w, comm)``: three per-stage lists (seconds) and one latency.
+    """
+    by: dict[tuple[int, str], list[float]] = {}
+    comm: list[float] = []
+    for e in events:
+        if e.is_compute and e.stage is not None:
+            by.setdefault((e.stage, e.kind), []).append(e.end - e.start)
+        elif e.kind == "comm":
+            comm.append(e.end - e.start)
+
+    def med(stage: int, kind: str) -> float | None:
+        values = by.get((stage, kind))
+        return statistics.median(values) if values else None
+
+    f, b, w = [], [], []
+    for s in range(n_stages):
+        fs, bs, ws, bws = med(s, "F"), med(s, "B"), med(s, "W"), med(s, "BW")
+        f.append(fs or 0.0)
+        if bs is not None:
+            b.append(bs)
+            w.append(ws or 0.0)
+        else:
+            b.append(bws or 0.0)
+            w.append(0.0)
+    return f, b, w, (statistics.median(comm) if comm else 0.0)
+
+
+def simulate_measured(events: Iterable[TimelineEvent], schedule: Schedule) -> SimulationResult:
+    """Simulate ``schedule`` with the per-stage costs measured in ``events`` (for measured-vs-simulated).
+
+    The transfer latency is left at 0: a measured receive wait mixes latency with waiting for the
+    producer, so the simulated ratio is the schedule's own bubble at the measured compute costs.
+    """
+    f, b, w, _ = measured_costs(events, schedule.n_stages)
+    return simulate(schedule, f=f, b=b, w=w)
+
+
+class ActivationMeter:
+    """Bytes of activations autograd saves in forwards, held until that microbatch's last backward action.
+
+    The simulator's memory model: an activation is allocated by ``F(s, i)`` and freed by ``W(s, i)`` (or
+    ``BW(s, i)``). The count is the storage bytes autograd saved during the forward (each storage once), so
+    it is an upper bound of what is held between ``B`` and ``W`` (``B`` frees the graph; only the wgrad
+    operands stay). Parameters are not counted.
+
+    Use :meth:`forward` around a forward, :meth:`release` after the microbatch's ``W``/``BW``.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[int, int], int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def reset(self) -> None:
+        self.live.clear()
+        self.current = self.peak = 0
+
+    @contextlib.contextmanager
+    def forward(self, stage: int, microbatch: int, exclude: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+        """Count storages saved for backward inside the block (``exclude``: e.g. the parameters)."""
+        seen = {t.untyped_storage().data_ptr() for t in exclude}
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen and storage.nbytes():
+                seen.add(ptr)
+                total += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+        self.live[(stage, microbatch)] = total
+        self.current += total
+        self.peak = max(self.peak, self.current)
+
+    def release(self, stage: int, microbatch: int) -> None:
+        self.current -= self.live.pop((stage, microbatch), 0)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

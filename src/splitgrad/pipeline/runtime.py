@@ -1,0 +1,445 @@
+"""Run a :class:`~splitgrad.pipeline.Schedule` on torch.distributed: each rank interprets its action list.
+
+The runtime only interprets; schedules are data built elsewhere. Per action on this rank:
+
+* ``F(s, i)``: run stage ``s`` on microbatch ``i``'s input (the batch for stage 0, else the activation received
+  from ``s - 1``'s rank or handed over locally); the last stage also computes ``loss_fn(output, target)``.
+* ``B(s, i)``: backward from the stage output with the received output gradient (the last stage: from
+  ``loss / n_microbatches``) inside :func:`splitgrad.capture_wgrad`. Autograd frees the graph and the input
+  gradient goes to ``s - 1``; the weight-gradient work that splitgrad layers (``delay_wgrad_compute=True``)
+  deferred is parked in that ``(s, i)``'s :class:`~splitgrad.WgradBundle`. Plain-autograd parameters
+  (embeddings, norms, any ``torch.nn`` layer) get their gradient here, which is just as correct.
+* ``W(s, i)``: run exactly that bundle, whatever order the schedule puts ``W``\\ s in.
+* ``BW(s, i)``: ``B`` then its bundle at once.
+
+Data parallelism composes per stage: a stage module with ``no_sync()`` and ``finish_grad_sync()`` (a
+:class:`splitgrad.parallel.DistributedDataParallel`) runs every action inside ``no_sync()`` except the stage's
+last ``B``-type and last ``W``-type action, so each bucket starts reducing as soon as its last contribution
+(often a ``W``) has run; ``finish_grad_sync()`` is called at the end of the step.
+
+Communication is :class:`~splitgrad.pipeline.comm.PipelineComm`; timing is
+:class:`~splitgrad.pipeline.measure.TimelineRecorder`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..store import WgradBundle, capture_wgrad
+from ..whole_model import ensure_no_pending_wgrad
+from .actions import Action, ActionKind, Schedule
+from .comm import PipelineComm
+from .measure import ActivationMeter, TimelineRecorder, gather_events
+from .timeline import TimelineEvent
+
+__all__ = ["PipelineRuntime", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """What one :meth:`PipelineRuntime.step` returns on one rank."""
+
+    loss: torch.Tensor | None
+    """Mean of the microbatch losses, a float64 0-dim tensor on the runtime's device; on every pipeline rank
+    with ``broadcast_loss`` (the default), else only on the last stage's rank (None elsewhere)."""
+    microbatch_losses: list[torch.Tensor] = field(default_factory=list)
+    """Per-microbatch losses (detached) on the last stage's rank; empty elsewhere."""
+    events: list[TimelineEvent] = field(default_factory=list)
+    """This rank's measured events (seconds since the step's common origin); empty when not recording."""
+    peak_activation_bytes: int | None = None
+    """With ``track_memory``: peak bytes autograd saved in this rank's forwards and not yet released by the
+    microbatch's ``W``/``BW`` (the simulator's memory model; an upper bound of what ``B``-to-``W`` holds)."""
+    duration: float = 0.0
+    """Seconds from the step origin to this rank's last action's end (communication drained)."""
+    w_tasks: int = 0
+    """Deferred weight-gradient tasks this rank's ``W`` actions ran (0 when nothing was split)."""
+
+
+class PipelineRuntime:
+    """Interpret one rank's share of ``schedule``: its stages, point-to-point messages, W bundles, DP sync.
+
+    Example (every rank of a 2-rank pipeline group; ``stages`` is the whole model cut into 2)::
+
+        sched = build_schedule("zb-h1", n_stages=2, n_microbatches=4)
+        rt = PipelineRuntime(stages, sched, loss_fn=F.cross_entropy)
+        result = rt.step(inputs, targets)       # inputs/targets: a batch tensor or 4 microbatches
+        optimizer.step()
+
+    Args:
+        stages: the model stages this rank runs: a mapping ``{stage index: module}``, the list of *all* stages
+            of the model in order (this rank keeps its own), or the list of exactly this rank's stages in
+            ascending order. Each module maps one tensor to one tensor (any shape, e.g. ``(batch, seq,
+            hidden)``); boundary tensors must be floating point. Build splitgrad layers with
+            ``delay_wgrad_compute=True`` for ``W`` to do any work.
+        schedule: the schedule every rank runs (validated here).
+        loss_fn: ``loss_fn(last stage output, target) -> scalar`` for one microbatch; the step's loss is the
+            mean over microbatches (gradients are scaled by ``1 / n_microbatches``).
+        rank: this rank's index in the schedule; default: its rank in ``pp_group``.
+        pp_group: the pipeline process group (None: the default group). Not needed on a one-rank schedule.
+        timeout: seconds any single wait for a peer may take before a ``RuntimeError`` naming the peer and
+            the action.
+        record_timeline: record the start/end of every action and receive wait (adds one barrier per step
+            to share the time origin).
+        track_memory: measure activation bytes (see :attr:`StepResult.peak_activation_bytes`).
+        broadcast_loss: broadcast the step's loss from the last stage's rank to every pipeline rank.
+        device: where received tensors are allocated; default: the device of the local stages' parameters.
+        prefetch: post the next action's receive before computing the current one; default: on for gloo.
+        check_schedule: run :func:`splitgrad.pipeline.validate` on ``schedule`` first.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module] | Sequence[nn.Module],
+        schedule: Schedule,
+        *,
+        loss_fn: LossFn,
+        rank: int | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        timeout: float = 300.0,
+        record_timeline: bool = True,
+        track_memory: bool = False,
+        broadcast_loss: bool = True,
+        device: torch.device | str | None = None,
+        prefetch: bool | None = None,
+        check_schedule: bool = True,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError(f"PipelineRuntime: timeout must be positive seconds, got {timeout=}")
+        if check_schedule:
+            from .validate import validate
+
+            validate(schedule)
+        distributed = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            if schedule.n_ranks == 1 and not distributed:
+                rank = 0
+            elif not distributed:
+                raise RuntimeError(
+                    f"PipelineRuntime: schedule {schedule.name!r} spans {schedule.n_ranks} ranks but "
+                    "torch.distributed is not initialised"
+                )
+            else:
+                rank = dist.get_rank(pp_group)
+        if not 0 <= rank < schedule.n_ranks:
+            raise ValueError(f"PipelineRuntime: {rank=} outside the schedule's ranks 0..{schedule.n_ranks - 1}")
+        if distributed and schedule.n_ranks > 1 and dist.get_world_size(pp_group) != schedule.n_ranks:
+            raise ValueError(
+                f"PipelineRuntime: the pipeline group has {dist.get_world_size(pp_group)} ranks but schedule "
+                f"{schedule.name!r} needs {schedule.n_ranks}"
+            )
+        self.schedule = schedule
+        self.rank = rank
+        self.pp_group = pp_group
+        self.loss_fn = loss_fn
+        self.timeout = float(timeout)
+        self.broadcast_loss = broadcast_loss
+        self.stages = self._own_stages(stages)
+        self.actions = schedule.rank_actions[rank]
+        self.first_stage, self.last_stage = 0, schedule.n_stages - 1
+        if device is None:
+            params = [p for m in self.stages.values() for p in m.parameters()]
+            device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device(device)
+        self._distributed = distributed and schedule.n_ranks > 1
+        if self._distributed and prefetch is None:
+            prefetch = dist.get_backend(pp_group) == "gloo"
+        self.recorder = TimelineRecorder(rank, enabled=record_timeline)
+        self.meter = ActivationMeter() if track_memory else None
+        self.comm = (
+            PipelineComm(
+                schedule,
+                rank,
+                group=pp_group,
+                device=self.device,
+                timeout=self.timeout,
+                prefetch=bool(prefetch),
+                on_wait=self.recorder.comm,
+            )
+            if self._distributed
+            else None
+        )
+        # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
+        self.grad_sync = {
+            s: m for s, m in self.stages.items() if callable(getattr(m, "no_sync", None))
+            and callable(getattr(m, "finish_grad_sync", None))
+        }
+        # The actions of each stage during which reductions may start: its last B-type and last W-type one.
+        self._sync_points: set[int] = set()
+        for s in self.grad_sync:
+            for kinds in ((ActionKind.B, ActionKind.BW), (ActionKind.W, ActionKind.BW)):
+                last = [j for j, a in enumerate(self.actions) if a.stage == s and a.kind in kinds]
+                if last:
+                    self._sync_points.add(last[-1])
+        self._mb_inputs: list[Any] | None = None
+        self._mb_targets: list[Any] | None = None
+        self._reset_step_state()
+
+    def _own_stages(self, stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> dict[int, nn.Module]:
+        mine = self.schedule.stages_of(self.rank)
+        if isinstance(stages, Mapping):
+            owned = {int(k): v for k, v in stages.items()}
+        elif len(stages) == self.schedule.n_stages:
+            owned = {s: stages[s] for s in mine}
+        elif len(stages) == len(mine):
+            owned = dict(zip(mine, stages))
+        else:
+            raise ValueError(
+                f"PipelineRuntime: got {len(stages)} stage modules; pass all {self.schedule.n_stages} stages of "
+                f"the model or the {len(mine)} this rank holds (stages {list(mine)} of schedule "
+                f"{self.schedule.name!r})"
+            )
+        if sorted(owned) != list(mine):
+            raise ValueError(
+                f"PipelineRuntime: pipeline rank {self.rank} runs stages {list(mine)} of schedule "
+                f"{self.schedule.name!r}, got modules for stages {sorted(owned)}"
+            )
+        bad = [s for s, m in owned.items() if not isinstance(m, nn.Module)]
+        if bad:
+            raise TypeError(f"PipelineRuntime: stages {bad} are not nn.Modules")
+        return owned
+
+    def _reset_step_state(self) -> None:
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._bundles: dict[tuple[int, int], WgradBundle] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._w_tasks = 0
+
+    # -- the step ----------------------------------------------------------------------------------------
+
+    def step(self, inputs: Any = None, targets: Any = None) -> StepResult:
+        """Run every action of this rank for one batch; gradients accumulate into the stages' parameters.
+
+        Args:
+            inputs: on the rank holding stage 0, the first stage's input: one tensor split along dim 0 into
+                ``n_microbatches`` equal parts, or a sequence of ``n_microbatches`` per-microbatch inputs.
+                Ignored on other ranks.
+            targets: on the rank holding the last stage, the loss targets, in the same two forms. Ignored
+                elsewhere.
+
+        Returns:
+            A :class:`StepResult`.
+
+        Raises:
+            RuntimeError: a peer crashed or did not answer within ``timeout`` (naming it and the action), or
+                weight-gradient work is pending in the stages before the step.
+            ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
+        """
+        m = self.schedule.n_microbatches
+        holds_first = self.first_stage in self.stages
+        holds_last = self.last_stage in self.stages
+        self._mb_inputs = split_microbatches(inputs, m, "inputs") if holds_first else None
+        self._mb_targets = split_microbatches(targets, m, "targets") if holds_last else None
+        for s, module in self.stages.items():
+            ensure_no_pending_wgrad(module, what=f"the start of PipelineRuntime.step (stage {s})")
+        if self.meter is not None:
+            self.meter.reset()
+        if self.comm is not None:
+            self.comm.begin_step()
+            if self.recorder.enabled:
+                self._barrier()
+        self.recorder.start()
+        self._reset_step_state()
+        current: Action | None = None
+        try:
+            for j, action in enumerate(self.actions):
+                current = action
+                self._run(j, action)
+            current = None
+            if self.comm is not None:
+                self.comm.finish_step()
+            for module in self.grad_sync.values():
+                module.finish_grad_sync()
+        except BaseException as exc:
+            for bundle in self._bundles.values():
+                bundle.discard()
+            if self.comm is not None:
+                self.comm.abort()
+            self._reset_step_state()
+            if current is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"while pipeline rank {self.rank} ran action {current} of schedule {self.schedule.name!r}")
+            raise
+        duration = time.perf_counter() - self.recorder.t0
+        losses = [self._losses[i] for i in range(m)] if holds_last else []
+        w_tasks = self._w_tasks
+        self._reset_step_state()
+        return StepResult(
+            loss=self._step_loss(losses),
+            microbatch_losses=losses,
+            events=list(self.recorder.events),
+            peak_activation_bytes=None if self.meter is None else self.meter.peak,
+            duration=duration,
+            w_tasks=w_tasks,
+        )
+
+    def _run(self, j: int, action: Action) -> None:
+        stage, kind, mb = action
+        incoming = self.schedule.recv_before(action)
+        received = None
+        if incoming is not None:
+            received = self.comm.receive(incoming, action)
+        elif self.comm is not None:
+            self.comm.flush()
+        if self.comm is not None and j + 1 < len(self.actions):
+            ahead = self.schedule.recv_before(self.actions[j + 1])
+            if ahead is not None:
+                self.comm.prefetch(ahead)
+        module = self.stages[stage]
+        sync = (
+            module.no_sync()
+            if stage in self.grad_sync and j not in self._sync_points
+            else contextlib.nullcontext()
+        )
+        with self.recorder.action(action), sync:
+            if kind is ActionKind.F:
+                out = self._forward(module, stage, mb, received)
+            elif kind is ActionKind.W:
+                out = self._weight(stage, mb)
+            else:
+                out = self._backward(stage, mb, received, run_weight=kind is ActionKind.BW)
+        outgoing = self.schedule.send_after(action)
+        if outgoing is not None:
+            self.comm.queue_send(outgoing, out, action)
+        elif out is not None:
+            handoff = "activation" if kind is ActionKind.F else "gradient"
+            if (kind is ActionKind.F and stage < self.last_stage) or (kind is not ActionKind.F and stage > 0):
+                self._local[(handoff, stage, mb)] = out
+
+    def _forward(self, module: nn.Module, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        if stage == self.first_stage:
+            x = self._mb_inputs[mb]
+        else:
+            x = received if received is not None else self._local.pop(("activation", stage - 1, mb))
+            if not x.is_floating_point():
+                raise ValueError(
+                    f"PipelineRuntime: stage {stage - 1} output must be a floating-point tensor (its gradient "
+                    f"flows back), got dtype {x.dtype} for microbatch {mb}"
+                )
+            x = x.detach().requires_grad_()
+        meter = self.meter.forward(stage, mb) if self.meter is not None else contextlib.nullcontext()
+        with meter:
+            y = module(x)
+            if stage == self.last_stage:
+                loss = self.loss_fn(y, self._mb_targets[mb])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(
+                        f"PipelineRuntime: loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                        f"of shape {tuple(getattr(loss, 'shape', ()))} for microbatch {mb}"
+                    )
+                self._losses[mb] = loss.detach().reshape(())
+                y = loss
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(
+                f"PipelineRuntime: stage {stage} must return one tensor, got {type(y).__name__} (microbatch {mb})"
+            )
+        self._inputs[(stage, mb)] = x
+        self._outputs[(stage, mb)] = y
+        return None if stage == self.last_stage else y.detach()
+
+    def _backward(
+        self, stage: int, mb: int, received: torch.Tensor | None, *, run_weight: bool
+    ) -> torch.Tensor | None:
+        x = self._inputs.pop((stage, mb))
+        y = self._outputs.pop((stage, mb))
+        if stage == self.last_stage:
+            grad = torch.full_like(y, 1.0 / self.schedule.n_microbatches)
+        else:
+            grad = received if received is not None else self._local.pop(("gradient", stage + 1, mb))
+            if grad.shape != y.shape:
+                raise ValueError(
+                    f"PipelineRuntime: stage {stage} microbatch {mb}: output gradient of shape "
+                    f"{tuple(grad.shape)} for an output of shape {tuple(y.shape)}"
+                )
+        with capture_wgrad() as bundle:
+            if y.requires_grad:
+                torch.autograd.backward(y, grad)
+        if run_weight:
+            bundle.run()
+            if self.meter is not None:
+                self.meter.release(stage, mb)
+        else:
+            self._bundles[(stage, mb)] = bundle
+        if stage == self.first_stage:
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def _weight(self, stage: int, mb: int) -> None:
+        bundle = self._bundles.pop((stage, mb), None)
+        if bundle is None:
+            raise RuntimeError(f"PipelineRuntime: W of stage {stage} microbatch {mb} before its B")
+        self._w_tasks += bundle.run()
+        if self.meter is not None:
+            self.meter.release(stage, mb)
+
+    # -- collectives around the step ---------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        work = dist.barrier(group=self.pp_group, async_op=True)
+        self.comm.wait(work, "the other pipeline ranks to reach the step's start barrier")
+
+    def _step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
+        mean = torch.stack(losses).to(torch.float64).mean().to(self.device) if losses else None
+        if not (self.broadcast_loss and self._distributed):
+            return mean
+        buf = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+        src = self.schedule.rank_of(self.last_stage)
+        src_global = src if self.pp_group is None else dist.get_global_rank(self.pp_group, src)
+        work = dist.broadcast(buf, src=src_global, group=self.pp_group, async_op=True)
+        self.comm.wait(work, f"the step loss broadcast from rank {src}")
+        return buf
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages (each once), e.g. for its optimizer."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.stages.values():
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def zero_grad(self) -> None:
+        """Reset this rank's gradients: ``zero_grad_buffer()`` of data-parallel stages, else ``.grad = None``."""
+        for module in self.stages.values():
+            zero = getattr(module, "zero_grad_buffer", None)
+            if callable(zero):
+                zero()
+            else:
+                module.zero_grad(set_to_none=True)
+
+    def gather_timeline(self, result: StepResult, *, dst: int = 0) -> list[TimelineEvent] | None:
+        """Merge every pipeline rank's events of ``result`` on rank ``dst`` (all ranks must call it)."""
+        if not self._distributed:
+            return list(result.events)
+        return gather_events(result.events, group=self.pp_group, dst=dst)
+
+
+def split_microbatches(value: Any, n_microbatches: int, what: str) -> list[Any]:
+    """``value`` as ``n_microbatches`` pieces: a tensor split along dim 0, or a sequence of that length."""
+    if value is None:
+        raise ValueError(f"PipelineRuntime.step: {what} are required on this rank")
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % n_microbatches:
+            raise ValueError(
+                f"PipelineRuntime.step: {what} of shape {tuple(value.shape)} cannot be split into "
+                f"{n_microbatches=} equal microbatches along dim 0"
+            )
+        return list(value.split(value.shape[0] // n_microbatches))
+    if isinstance(value, Sequence) and len(value) == n_microbatches:
+        return list(value)
+    raise ValueError(
+        f"PipelineRuntime.step: {what} must be a tensor or a sequence of {n_microbatches=} microbatches, got "
+        f"{type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, Sequence) else "")
+    )

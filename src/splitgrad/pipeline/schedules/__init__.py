@@ -1,0 +1,29 @@
+"""Schedule builders, one module per family, and the name registry (:func:`build_schedule`)."""
+
+from __future__ import annotations
+
+from .auto import AutoCandidate, auto_candidates, greedy_schedule, zb_auto
+from .dualpipev import dualpipev
+from .gpipe_1f1b import gpipe, one_f_one_b
+from .interleaved import interleaved_1f1b
+from .registry import SCHEDULES, build_schedule, schedule_names, schedule_options
+from .zbv import zbv
+from .zero_bubble import zb_h1, zb_h2
+
+__all__ = [
+    "SCHEDULES",
+    "AutoCandidate",
+    "auto_candidates",
+    "build_schedule",
+    "dualpipev",
+    "gpipe",
+    "greedy_schedule",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "schedule_names",
+    "schedule_options",
+    "zb_auto",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
+]

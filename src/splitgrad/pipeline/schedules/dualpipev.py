@@ -1,0 +1,80 @@
+"""DualPipeV (DeepSeek-V3 report; the "cut-in-half" DualPipe): a V of two stages per rank.
+
+Same placement as ZB-V. In the main phase each rank pairs the forward of one stage with the full backward of
+the other; DualPipe runs such a pair as one overlapped chunk so that one's communication hides behind the
+other's compute. Here a pair is written as two consecutive actions (``F`` then ``BW``) — a runtime may fuse
+neighbours — so the simulator, which runs one action at a time, does not credit the overlap. The start and
+the tail use split backwards with a first-in-first-out queue of pending weight gradients, as DualPipe's
+``WeightGradStore`` does.
+"""
+
+from __future__ import annotations
+
+from .._perf import gc_paused
+from ..actions import Schedule
+from ._common import RankProgram, check_positive_int, finish, v_mapping
+
+__all__ = ["dualpipev"]
+
+
+@gc_paused()
+def dualpipev(n_stages: int, n_microbatches: int) -> Schedule:
+    """DualPipeV over ``n_stages / 2`` ranks; needs ``n_microbatches >= n_stages``.
+
+    Raises:
+        ValueError: ``n_stages`` odd, or fewer microbatches than stages.
+    """
+    check_positive_int("dualpipev", n_stages=n_stages, n_microbatches=n_microbatches)
+    if n_stages % 2:
+        raise ValueError(
+            f"dualpipev places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
+        )
+    if n_microbatches < n_stages:
+        raise ValueError(
+            f"dualpipev needs at least as many microbatches as stages, got {n_microbatches=} {n_stages=}"
+        )
+    p, m = n_stages // 2, n_microbatches
+    programs = []
+    for rank in range(p):
+        down, up = rank, 2 * p - 1 - rank
+        prog = RankProgram()
+        # Step 1: nF0
+        for _ in range(2 * (p - rank - 1)):
+            prog.forward(down)
+        # Step 2: nF0F1
+        for _ in range(rank + 1):
+            prog.forward(down)
+            prog.forward(up)
+        # Step 3: nB1W1F1 (zero bubble: the weight gradient right after its input gradient)
+        for _ in range(p - rank - 1):
+            prog.backward(up)
+            prog.weight()
+            prog.forward(up)
+        # Step 4 (main): nF0B1F1B0, each forward paired with the other stage's full backward
+        for _ in range(m - 2 * p + rank + 1):
+            prog.forward(down)
+            prog.full_backward(up)
+            prog.forward(up)
+            prog.full_backward(down)
+        # Step 5: nB1F1B0
+        for _ in range(p - rank - 1):
+            prog.full_backward(up)
+            prog.forward(up)
+            prog.full_backward(down)
+        # Step 6: nB1B0, the second half with split backwards (weight gradients queued)
+        split = False
+        for i in range(rank + 1):
+            if i == (rank + 1) // 2 and rank % 2 == 1:
+                split = True
+            prog.backward(up) if split else prog.full_backward(up)
+            if i == (rank + 1) // 2 and rank % 2 == 0:
+                split = True
+            prog.backward(down) if split else prog.full_backward(down)
+        # Step 7: nWB0, a queued weight gradient before each remaining input gradient
+        for _ in range(p - rank - 1):
+            prog.weight()
+            prog.backward(down)
+        # Step 8: nW
+        prog.drain()
+        programs.append(prog)
+    return finish("dualpipev", m, v_mapping(p), programs)

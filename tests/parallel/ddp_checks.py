@@ -1,0 +1,470 @@
+"""Checks run inside spawned gloo ranks (imported by the children, so not a test module itself).
+
+Each check builds fresh models, runs one scenario on every rank, and raises on a wrong result. ``run_checks``
+runs a list of them in one process group and returns ``{check: None | remote traceback}`` so that each check
+is reported as its own pytest test while the process start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import splitgrad
+from splitgrad.module import LayerNormLinear
+from splitgrad.parallel import DistributedDataParallel as DDP
+from splitgrad.testing import assert_grads_close, main_grads, plain_autograd_grads, shard
+
+F64 = torch.float64
+BATCH, D_IN, D_HID, D_OUT = 12, 8, 16, 4
+
+
+def run_w(model: nn.Module) -> int:
+    """``splitgrad.backward_dw`` under no_grad.
+
+    Workaround: the core's WgradTask.run computes with grad mode on, so a deferred ``.grad`` (and a fused
+    ``main_grad``) joins the activations' autograd graph; see the parallel area's report.
+    """
+    with torch.no_grad():
+        return splitgrad.backward_dw(model)
+
+
+def mixed_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
+    """splitgrad layers (Linear, LayerNormLinear) interleaved with plain torch layers."""
+    torch.manual_seed(seed)
+    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
+    return nn.Sequential(
+        splitgrad.Linear(D_IN, D_HID, **split),
+        nn.Tanh(),
+        nn.Linear(D_HID, D_HID, dtype=dtype),
+        LayerNormLinear(D_HID, D_HID, **split),
+        nn.LayerNorm(D_HID, dtype=dtype),
+        splitgrad.Linear(D_HID, D_OUT, bias=False, **split),
+    )
+
+
+def batch(step: int = 0, dtype: torch.dtype = F64, n: int = BATCH) -> torch.Tensor:
+    return torch.randn(n, D_IN, dtype=dtype, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return (out - 0.5).square().mean()
+
+
+def reference(
+    step: int = 0, model_fn: Callable[..., nn.Module] = mixed_model, **kw
+) -> dict[str, torch.Tensor]:
+    """Float64 full-batch plain-autograd gradient in one process."""
+    x = batch(step)
+    return plain_autograd_grads(model_fn(False, False, dtype=F64, **kw), lambda m: loss_of(m(x)))
+
+
+def assert_same_on_all_ranks(ddp: DDP) -> None:
+    """Every rank holds bit-identical averaged buffers (replicas cannot drift)."""
+    for buffer in ddp.grad_buffers:
+        gathered = [torch.empty_like(buffer.data) for _ in range(ddp.world_size)]
+        dist.all_gather(gathered, buffer.data)
+        for r, other in enumerate(gathered):
+            torch.testing.assert_close(
+                other, buffer.data, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}"
+            )
+
+
+def one_step(rank: int, world: int, delay: bool, fused: bool, **ddp_kw) -> tuple[nn.Module, DDP]:
+    model = mixed_model(delay, fused)
+    ddp = DDP(model, grad_reduce_dtype=None, bucket_size=ddp_kw.pop("bucket_size", 300), **ddp_kw)
+    loss_of(ddp(shard(batch(), rank, world))).backward()
+    run_w(ddp)
+    return model, ddp
+
+
+# -- checks -----------------------------------------------------------------------------------------------
+def check_matches_reference(rank: int, world: int) -> None:
+    """Delayed/immediate x fused/unfused: averaged main_grad and .grad equal the float64 full-batch grads."""
+    ref = reference()
+    for delay in (False, True):
+        for fused in (False, True):
+            what = f"{delay=} {fused=}"
+            model, ddp = one_step(rank, world, delay, fused)
+            n_buckets = len(ddp.buckets)
+            if n_buckets < 3:
+                raise AssertionError(f"{what}: expected several buckets, got {n_buckets}")
+            ddp.finish_grad_sync()
+            if ddp.last_launched_early != n_buckets:
+                raise AssertionError(
+                    f"{what}: only {ddp.last_launched_early}/{n_buckets} overlapped backward"
+                )
+            assert_grads_close(main_grads(model), ref, what=what)
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            assert_grads_close(grads, ref, what=f"{what} .grad")
+            assert_same_on_all_ranks(ddp)
+            for p in model.parameters():
+                if p.grad.data_ptr() != p.main_grad.data_ptr():
+                    raise AssertionError(f"{what}: .grad is not a view of main_grad")
+
+
+def check_negative_local_grads_rejected(rank: int, world: int) -> None:
+    """Not trivially passing: an unsynchronised (local-batch) gradient must fail the reference check."""
+    ref = reference()
+    model = mixed_model(True, False)
+    ddp = DDP(model, grad_reduce_dtype=None)
+    with ddp.no_sync():
+        loss_of(ddp(shard(batch(), rank, world))).backward()
+        run_w(ddp)
+    if ddp.launch_order:
+        raise AssertionError(f"no_sync launched buckets {ddp.launch_order}")
+    try:
+        assert_grads_close(main_grads(model), ref, what="local")
+    except AssertionError:
+        return
+    raise AssertionError("a local, unaveraged gradient passed the full-batch reference check")
+
+
+def check_overlap_off_and_sum_then_divide(rank: int, world: int) -> None:
+    """overlap_grad_reduce=False issues everything in finish; average_in_collective=False gives the same bits."""
+    ref = reference()
+    model_a, ddp_a = one_step(rank, world, True, False, overlap_grad_reduce=False)
+    if ddp_a.launch_order:
+        raise AssertionError(f"overlap off but buckets {ddp_a.launch_order} launched during backward")
+    ddp_a.finish_grad_sync()
+    model_b, ddp_b = one_step(rank, world, True, False, average_in_collective=False)
+    ddp_b.finish_grad_sync()
+    assert_grads_close(main_grads(model_a), ref, what="overlap off")
+    if world == 2:  # x/2 + y/2 == (x + y)/2 exactly; not so for 3
+        assert_grads_close(main_grads(model_b), main_grads(model_a), exact=True, what="sum-then-divide")
+    else:
+        assert_grads_close(main_grads(model_b), ref, what="sum-then-divide")
+
+
+def check_matches_torch_ddp(rank: int, world: int) -> None:
+    """float32: our averaged grads equal torch DDP's on the same model (bitwise with 2 ranks)."""
+    x = shard(batch(dtype=torch.float32), rank, world)
+    theirs_model = mixed_model(False, False, dtype=torch.float32)
+    theirs = nn.parallel.DistributedDataParallel(theirs_model)
+    loss_of(theirs(x)).backward()
+    expected = {n: p.grad for n, p in theirs_model.named_parameters()}
+    for delay, fused in ((False, False), (True, False), (True, True), (False, True)):
+        model = mixed_model(delay, fused, dtype=torch.float32)
+        ddp = DDP(model, bucket_size=300)
+        loss_of(ddp(x)).backward()
+        run_w(ddp)
+        ddp.finish_grad_sync()
+        exact = (
+            world == 2 and not fused
+        )  # fused accumulates with addmm into the buffer: same math, other kernel
+        assert_grads_close(
+            main_grads(model),
+            expected,
+            exact=exact,
+            rtol=1e-5,
+            atol=1e-6,
+            what=f"vs torch DDP {delay=} {fused=}",
+        )
+
+
+def check_no_sync_zero_bubble_order(rank: int, world: int) -> None:
+    """3 microbatches; B of the first two inside no_sync, every W after the block (zero-bubble style).
+
+    Deferred W of microbatch 0 arriving after no_sync must not complete a bucket: expectations count every
+    forward of the step.
+    """
+    n_mb = 3
+    x = batch(n=BATCH * n_mb)
+    ref = plain_autograd_grads(mixed_model(False, False), lambda m: loss_of(m(x)))
+    for fused in (False, True):
+        model = mixed_model(True, fused)
+        ddp = DDP(model, grad_reduce_dtype=None, bucket_size=300)
+        mine = shard(x, rank, world).chunk(n_mb)
+        bundles = []
+        with ddp.no_sync():
+            for mb in range(n_mb - 1):
+                with splitgrad.capture_wgrad() as bundle:
+                    (loss_of(ddp(mine[mb])) / n_mb).backward()
+                bundles.append(bundle)
+        with splitgrad.capture_wgrad() as bundle:
+            (loss_of(ddp(mine[-1])) / n_mb).backward()
+        bundles.append(bundle)
+        if ddp.launch_order:
+            raise AssertionError(f"{fused=}: buckets {ddp.launch_order} launched before any W ran")
+        with torch.no_grad():
+            for i, bundle in enumerate(bundles):
+                bundle.run()
+                if i < n_mb - 1 and ddp.launch_order:
+                    raise AssertionError(f"{fused=}: buckets {ddp.launch_order} launched before the last W")
+        ddp.finish_grad_sync()
+        if ddp.last_launched_early != len(ddp.buckets):
+            raise AssertionError(f"{fused=}: {ddp.last_launched_early}/{len(ddp.buckets)} overlapped")
+        assert_grads_close(main_grads(model), ref, what=f"no_sync {fused=}")
+
+
+def deep_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
+    return nn.Sequential(*(splitgrad.Linear(D_IN, D_IN, **split) for _ in range(4)))
+
+
+def check_buckets_complete_out_of_order(rank: int, world: int) -> None:
+    """W in registration order (the reverse of the layout): buckets complete back to front.
+
+    Collectives must still be issued in bucket order (or ranks could pair different buckets), the last bucket
+    to complete releases all, and the result is exact. Ranks also use *different* W orders here.
+    """
+    ref = reference(model_fn=deep_model)
+    model = deep_model(True, False)
+    ddp = DDP(model, grad_reduce_dtype=None, bucket_size=1)
+    if len(ddp.buckets) != 8:
+        raise AssertionError(f"expected one bucket per parameter, got {len(ddp.buckets)}")
+    loss_of(ddp(shard(batch(), rank, world))).backward()
+    layers = list(model)
+    order = layers if rank % 2 == 0 else [layers[1], layers[0], layers[2], layers[3]]
+    with torch.no_grad():
+        for layer in order[:-1]:
+            layer.backward_dw()
+        if ddp.launch_order:
+            raise AssertionError(f"buckets {ddp.launch_order} launched before bucket 0 completed")
+        order[-1].backward_dw()
+    if ddp.launch_order != list(range(8)):
+        raise AssertionError(f"collectives issued out of bucket order: {ddp.launch_order}")
+    ddp.finish_grad_sync()
+    assert_grads_close(main_grads(model), ref, what="out of order")
+
+
+class Tied(nn.Module):
+    """One splitgrad Linear applied twice and one plain Linear applied twice in the same forward."""
+
+    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.split = splitgrad.Linear(
+            D_IN, D_IN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused, params_dtype=dtype
+        )
+        self.plain = nn.Linear(D_IN, D_IN, dtype=dtype)
+        self.head = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.split(self.plain(x)))
+        return self.head(self.split(self.plain(h)))
+
+
+def check_tied_modules(rank: int, world: int) -> None:
+    """A module used twice fires its wgrad hook twice; its bucket waits for both, never launching early."""
+    ref = reference(model_fn=Tied)
+    for delay in (False, True):
+        for fused in (False, True):
+            model = Tied(delay, fused)
+            ddp = DDP(model, grad_reduce_dtype=None, bucket_size=1)
+            loss_of(ddp(shard(batch(), rank, world))).backward()
+            if delay:
+                with torch.no_grad():
+                    model.head.backward_dw()
+                    model.split.backward_dw()  # first of two tasks: its bucket must not launch yet
+                    split_buckets = {
+                        b.index for b in ddp.buckets if any(p is model.split.weight for p in b.params)
+                    }
+                    if split_buckets & set(ddp.launch_order):
+                        raise AssertionError("tied module's bucket launched after one of its two W tasks")
+                    model.split.backward_dw()
+            ddp.finish_grad_sync()
+            if ddp.last_launched_early != len(ddp.buckets):
+                raise AssertionError(f"{delay=} {fused=}: not all buckets overlapped")
+            assert_grads_close(main_grads(model), ref, what=f"tied {delay=} {fused=}")
+
+
+class WithUnused(nn.Module):
+    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.used = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
+        self.unused = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def check_unused_parameter_error(rank: int, world: int) -> None:
+    """An unused parameter is a clear error naming it; allow_unused_parameters reduces it as zeros."""
+    model = WithUnused(True, False)
+    ddp = DDP(model, grad_reduce_dtype=None)
+    loss_of(ddp(shard(batch(), rank, world))).backward()
+    run_w(ddp)
+    try:
+        ddp.finish_grad_sync()
+    except RuntimeError as exc:
+        named = set(re.findall(r"\b(\w+\.\w+) \(", str(exc)))
+        if named != {"unused.weight", "unused.bias"}:
+            raise AssertionError(f"error does not name exactly the unused parameters: {exc}") from exc
+    else:
+        raise AssertionError("finish_grad_sync() accepted a parameter that never got a gradient")
+    ddp.zero_grad_buffer()
+
+    x = batch()
+    ref = plain_autograd_grads(WithUnused(False, False).used, lambda m: loss_of(m(x)))
+    model = WithUnused(True, False)
+    ddp = DDP(model, grad_reduce_dtype=None, allow_unused_parameters=True)
+    loss_of(ddp(shard(x, rank, world))).backward()
+    run_w(ddp)
+    ddp.finish_grad_sync()
+    assert_grads_close(main_grads(model.used), ref, what="used layer")
+    if torch.count_nonzero(model.unused.weight.main_grad) or torch.count_nonzero(model.unused.bias.main_grad):
+        raise AssertionError("an unused parameter's averaged main_grad is not zero")
+
+
+def check_pending_and_late_errors(rank: int, world: int) -> None:
+    """Pending wgrad at finish, a forward while reductions run, finish inside no_sync: all clear errors."""
+    model = mixed_model(True, False)
+    ddp = DDP(model, grad_reduce_dtype=None)
+    loss_of(ddp(shard(batch(), rank, world))).backward()
+    _expect_error(ddp.finish_grad_sync, "pending")
+    run_w(ddp)
+    with ddp.no_sync():
+        _expect_error(ddp.finish_grad_sync, "no_sync")
+    _expect_error(lambda: ddp(batch()), "finish_grad_sync() before the next step")
+    ddp.finish_grad_sync()
+
+
+def _expect_error(fn: Callable[[], object], needle: str) -> None:
+    try:
+        fn()
+    except RuntimeError as exc:
+        if needle not in str(exc):
+            raise AssertionError(f"error lacks {needle!r}: {exc}") from exc
+        return
+    raise AssertionError(f"expected a RuntimeError mentioning {needle!r}")
+
+
+def check_reduce_scatter(rank: int, world: int) -> None:
+    """Reduce-scatter leaves the average in this rank's shard of every bucket."""
+    ref = reference()
+    model, ddp = one_step(rank, world, True, True, reduce_scatter=True)
+    ddp.finish_grad_sync()
+    # Build the expected flat buckets from the reference, then compare only the local shards.
+    names = {id(p): n for n, p in model.named_parameters()}
+    for bucket, shard_ in zip(ddp.buckets, ddp.local_grad_shards()):
+        flat = torch.zeros_like(bucket.data)
+        for p, (lo, hi) in zip(bucket.params, bucket.param_ranges):
+            flat[lo:hi] = ref[names[id(p)]].flatten()
+        torch.testing.assert_close(shard_, bucket.shard(rank, world), rtol=0, atol=0)
+        torch.testing.assert_close(shard_, flat.view(world, -1)[rank], rtol=1e-10, atol=1e-12)
+    if any(p.grad is not None for p in model.parameters()):
+        raise AssertionError("reduce_scatter must not expose full-size .grad")
+
+
+def check_training_loop_matches_torch_ddp(rank: int, world: int) -> None:
+    """A few SGD-momentum steps: parameters match torch DDP's (bitwise with 2 ranks, unfused)."""
+    steps = 3
+    theirs_model = mixed_model(False, False, dtype=torch.float32)
+    theirs = nn.parallel.DistributedDataParallel(theirs_model)
+    opt = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(theirs(shard(batch(step, torch.float32), rank, world))).backward()
+        opt.step()
+    for fused in (False, True):
+        model = mixed_model(True, fused, dtype=torch.float32)
+        ddp = DDP(model, bucket_size=300)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        guard = splitgrad.guard_optimizer(optimizer, ddp)
+        for step in range(steps):
+            ddp.zero_grad_buffer()
+            loss_of(ddp(shard(batch(step, torch.float32), rank, world))).backward()
+            run_w(ddp)
+            ddp.finish_grad_sync()
+            optimizer.step()
+        guard.remove()
+        tol = {"rtol": 0.0, "atol": 0.0} if world == 2 and not fused else {"rtol": 1e-5, "atol": 1e-6}
+        for (name, mine), theirs_p in zip(model.named_parameters(), theirs_model.parameters()):
+            torch.testing.assert_close(
+                mine, theirs_p, **tol, msg=lambda m, n=name, f=fused: f"fused={f} {n}: {m}"
+            )
+
+
+class Routed(nn.Module):
+    """Two experts; ``route`` picks one per call (data-dependent routing, different on every rank)."""
+
+    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
+        self.experts = nn.ModuleList(splitgrad.Linear(D_IN, D_OUT, **split) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
+        return self.experts[route](x)
+
+
+def check_rank_dependent_usage(rank: int, world: int) -> None:
+    """Ranks use different experts, so their buckets complete in different orders: collectives still pair
+    up (bucket order) and each expert gets the sum of the contributing ranks' gradients / world size."""
+    x = batch()
+    expected: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        ref_model = Routed(False, False)
+        loss_of(ref_model(shard(x, r, world), r % 2)).backward()
+        for name, p in ref_model.named_parameters():
+            if p.grad is not None:
+                expected[name] = expected.get(name, 0) + p.grad / world
+    for fused in (False, True):
+        model = Routed(True, fused)
+        ddp = DDP(model, grad_reduce_dtype=None, allow_unused_parameters=True, bucket_size=1)
+        loss_of(ddp(shard(x, rank, world), route=rank % 2)).backward()
+        run_w(ddp)
+        ddp.finish_grad_sync()
+        if ddp.last_launch_order != list(range(len(ddp.buckets))):
+            raise AssertionError(f"launch order {ddp.last_launch_order}")
+        assert_grads_close(main_grads(model), expected, what=f"routed {fused=}")
+        assert_same_on_all_ranks(ddp)
+
+
+def check_timeout_is_an_error(rank: int, world: int) -> None:
+    """A rank that never issues its collective makes the peer raise within the timeout, not hang."""
+    short = dist.new_group(timeout=datetime.timedelta(seconds=4))
+    model = mixed_model(True, False)
+    ddp = DDP(model, process_group=short, grad_reduce_dtype=None, timeout=3.0)
+    if rank == 0:
+        loss_of(ddp(shard(batch(), rank, world))).backward()
+        run_w(ddp)
+        start = time.monotonic()
+        _expect_error(ddp.finish_grad_sync, "did not complete on rank 0")
+        elapsed = time.monotonic() - start
+        if elapsed > 10:
+            raise AssertionError(f"timeout took {elapsed:.1f} s")
+    dist.barrier()  # the default group is healthy; rank 1 waits here for rank 0's error
+
+
+ALL_WORLDS = [
+    check_matches_reference,
+    check_negative_local_grads_rejected,
+    check_overlap_off_and_sum_then_divide,
+    check_matches_torch_ddp,
+    check_no_sync_zero_bubble_order,
+    check_buckets_complete_out_of_order,
+    check_tied_modules,
+    check_reduce_scatter,
+    check_training_loop_matches_torch_ddp,
+    check_rank_dependent_usage,
+]
+WORLD2_ONLY = [check_unused_parameter_error, check_pending_and_late_errors, check_timeout_is_an_error]
+
+
+def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
+    """Run the named checks in order; after the first failure the rest are reported as not run."""
+    table = {f.__name__: f for f in ALL_WORLDS + WORLD2_ONLY}
+    results: dict[str, str | None] = {}
+    failed = None
+    for name in names:
+        if failed is not None:
+            results[name] = f"not run: {failed} failed first on rank {rank}"
+            continue
+        try:
+            table[name](rank, world)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+            failed = name
+    return results

@@ -1,0 +1,285 @@
+"""Per-rank bodies of the distributed runtime tests (module-level so the spawn harness can pickle them).
+
+Every check compares the pipeline's loss and every local parameter gradient with a float64 single-process
+reference (the plain-autograd twin of the same seeded model over all microbatches, loss = mean over
+microbatches). Ranks return plain dicts; the test process asserts, so one failing schedule does not hide
+the others.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import splitgrad
+from splitgrad.models import GPT, GPTConfig, MoEConfig, MoEGPT, lm_loss, reference_twin, set_aux_loss_scale
+from splitgrad.models import split_into_stages
+from splitgrad.pipeline import build_schedule, simulate
+from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
+from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
+from splitgrad.pipeline.runtime import PipelineRuntime
+from splitgrad.pipeline.timeline import save_png, write_chrome_trace
+
+RTOL, ATOL = 1e-10, 1e-12
+VOCAB, SEQ, MB = 37, 8, 2
+
+#: (schedule name, stages per rank) of every family the runtime must run.
+SCHEDULES = (
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zb-h2", 1),
+    ("zbv", 2),
+    ("dualpipev", 2),
+    ("zb-auto", 1),
+)
+#: Families whose schedules contain W actions (so the runtime must run deferred work there).
+SPLIT = {"zb-h1", "zb-h2", "zbv", "dualpipev", "zb-auto"}
+
+
+def gpt_model(n_stages: int, *, moe: bool = False, fused: bool = False, seed: int = 0) -> tuple[GPT, list[nn.Module]]:
+    """A seeded float64 GPT (or MoE) with deferred wgrad, cut into ``n_stages`` (embed/head may be alone)."""
+    layers = max(2, n_stages - 2)
+    kwargs = dict(
+        vocab_size=VOCAB, seq_len=16, hidden_size=32, num_layers=layers, num_heads=4, ffn_hidden_size=48,
+        params_dtype=torch.float64, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+    )
+    if moe:
+        config = MoEConfig(**kwargs, num_experts=4, top_k=2, moe_ffn_hidden_size=24, aux_loss_coef=0.1)
+    else:
+        config = GPTConfig(**kwargs)
+    torch.manual_seed(seed)
+    model = (MoEGPT if moe else GPT)(config)
+    with torch.no_grad():  # jitter so norm scales/biases are not the trivial 1/0
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sizes = None if n_stages <= layers else [0] + [1] * layers + [0]
+    return model, split_into_stages(model, n_stages, layers_per_stage=sizes)
+
+
+def token_batch(n_microbatches: int, seed: int, *, mb: int = MB, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n_microbatches * mb, seq)
+    return torch.randint(0, VOCAB, shape, generator=gen), torch.randint(0, VOCAB, shape, generator=gen)
+
+
+def gpt_reference(model: GPT, ids_list, tgt_list) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean CE over microbatches and every gradient of ``mean(CE + aux)``, by the plain-autograd twin."""
+    twin = reference_twin(model)
+    total, ce = 0.0, []
+    for ids, tgt in zip(ids_list, tgt_list):
+        logits, aux = twin(ids)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1))
+        total = total + (loss + aux) / len(ids_list)
+        ce.append(loss.detach())
+    total.backward()
+    return torch.stack(ce).mean().item(), {n: p.grad for n, p in twin.named_parameters()}
+
+
+def compare(model: nn.Module, runtime: PipelineRuntime, ref: dict[str, torch.Tensor]) -> dict:
+    """Mismatching parameter names of this rank's stages against ``ref`` (``.grad``, else ``main_grad``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad, checked, worst = [], 0, 0.0
+    for p in runtime.parameters():
+        name = names[id(p)]
+        got = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        want = ref[name]
+        checked += 1
+        if got is None or want is None:
+            if not (got is None and want is None):
+                bad.append(f"{name}: missing")
+            continue
+        worst = max(worst, (got - want).abs().max().item())
+        if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+            bad.append(f"{name}: max err {(got - want).abs().max().item():.3g}")
+    return {"bad": bad, "checked": checked, "worst": worst}
+
+
+def run_gpt_check(name: str, per_rank: int, n_ranks: int, m: int, *, moe: bool = False, seed: int = 0,
+                  pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1,
+                  split_backward: bool = False) -> dict:
+    n_stages = per_rank * n_ranks
+    model, stages = gpt_model(n_stages, moe=moe, fused=dp_group is not None, seed=seed)
+    if moe:
+        set_aux_loss_scale(model, 1.0 / m)
+    # Every replica's data, so each rank can build the full reference.
+    batches = [token_batch(m, seed=100 + d) for d in range(dp_size)]
+    ref_loss, ref = gpt_reference(model, *zip(*[(i, t) for b in batches for i, t in zip(b[0].split(MB), b[1].split(MB))]))
+    ddp_options = {"bucket_size": 2000} if dp_group is not None else None
+    rt = build_runtime(stages, name, n_microbatches=m, loss_fn=lm_loss, pp_group=pp_group, dp_group=dp_group,
+                       ddp_options=ddp_options, timeout=60,
+                       schedule_options={"split_backward": True} if split_backward else None)
+    ids, tgt = batches[dp_rank]
+    result = rt.step(ids, tgt)
+    # The replica's own loss is the mean over its microbatches; compare with the reference on its data.
+    own_loss = gpt_reference(model, ids.split(MB), tgt.split(MB))[0] if dp_size > 1 else ref_loss
+    out = compare(model, rt, ref)
+    out.update(loss=result.loss.item(), ref_loss=own_loss, w_tasks=result.w_tasks)
+    out["launched_early"] = [m_.last_launched_early for m_ in rt.grad_sync.values()]
+    for m_ in rt.grad_sync.values():
+        m_.remove_hooks()
+    return out
+
+
+def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
+    """Every schedule on 2 ranks, an MLP stack, MoE, shape renegotiation, memory, timeline, a negative check."""
+    results: dict[str, dict] = {}
+    m = 4
+    for name, per_rank in SCHEDULES:
+        results[name] = run_gpt_check(name, per_rank, world, m)
+    results["1f1b split_backward"] = run_gpt_check("1f1b", 1, world, m, seed=3, split_backward=True)
+    results["zb-h1 moe"] = run_gpt_check("zb-h1", 1, world, m, moe=True, seed=4)
+    results["mlp"] = mlp_check(rank, world)
+    results["reshape"] = reshape_check(world)
+    results["memory"] = memory_check(world)
+    results["timeline"] = timeline_check(rank, world, out_dir)
+    results["negative"] = negative_check(world)
+    return results
+
+
+def four_rank_worker(rank: int, world: int) -> dict:
+    """Every schedule on pp=4, then every schedule on pp=2 x dp=2 with splitgrad DDP (fused main_grad)."""
+    results: dict[str, dict] = {}
+    for name, per_rank in SCHEDULES:
+        results[f"pp4 {name}"] = run_gpt_check(name, per_rank, world, 4)
+    groups = pipeline_groups(2, 2)
+    for name, per_rank in SCHEDULES:
+        results[f"pp2xdp2 {name}"] = run_gpt_check(
+            name, per_rank, 2, 4, pp_group=groups.pp_group, dp_group=groups.dp_group,
+            dp_rank=groups.dp_rank, dp_size=2,
+        )
+    return results
+
+
+def mlp_blocks(*, delay: bool) -> list[nn.Module]:
+    """Seeded splitgrad Linears mixed with torch layers (the same values for either ``delay``)."""
+    torch.manual_seed(7)
+    kw = {"delay_wgrad_compute": delay, "params_dtype": torch.float64}
+    return [splitgrad.Linear(12, 24, **kw), nn.Tanh(), splitgrad.Linear(24, 24, **kw), nn.GELU(),
+            nn.Linear(24, 24, dtype=torch.float64), nn.Tanh(), splitgrad.Linear(24, 5, **kw)]
+
+
+def mlp_check(rank: int, world: int) -> dict:
+    """A plain ``nn.Sequential`` of splitgrad Linears and torch layers, 2-D activations, 4 stages (zbv)."""
+    blocks = mlp_blocks(delay=True)
+    reference = nn.Sequential(*mlp_blocks(delay=False))
+    stages = sequential_stages(blocks, 4, sizes=[2, 2, 2, 1])
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    rt = build_runtime(stages, "zbv", n_microbatches=3, loss_fn=F.mse_loss, timeout=60)
+    result = rt.step(x, y)
+    loss = torch.stack([F.mse_loss(reference(a), b) for a, b in zip(x.split(4), y.split(4))]).mean()
+    loss.backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    out = compare(nn.Sequential(*blocks), rt, ref)
+    out.update(loss=result.loss.item(), ref_loss=loss.item(), w_tasks=result.w_tasks)
+    return out
+
+
+def reshape_check(world: int) -> dict:
+    """One runtime, two steps with different microbatch shapes: headers are renegotiated every step."""
+    model, stages = gpt_model(world, seed=5)
+    rt = build_runtime(stages, "zb-h1", n_microbatches=2, loss_fn=lm_loss, timeout=60)
+    rt.step(*token_batch(2, seed=9))
+    rt.zero_grad()
+    ids, tgt = token_batch(2, seed=10, mb=3, seq=5)
+    result = rt.step(ids, tgt)
+    ref_loss, ref = gpt_reference(model, ids.split(3), tgt.split(3))
+    out = compare(model, rt, ref)
+    out.update(loss=result.loss.item(), ref_loss=ref_loss, w_tasks=result.w_tasks)
+    return out
+
+
+def memory_check(world: int) -> dict:
+    """Peak activation bytes (deterministic byte counts): GPipe keeps every microbatch, 1F1B only p."""
+    peaks = {}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        _model, stages = gpt_model(world, seed=6)
+        rt = build_runtime(stages, name, n_microbatches=6, loss_fn=lm_loss, timeout=60, track_memory=True)
+        peaks[name] = rt.step(*token_batch(6, seed=11)).peak_activation_bytes
+    return peaks
+
+
+def timeline_check(rank: int, world: int, out_dir: str) -> dict:
+    """Gather the measured events of a zb-h1 step, write Chrome trace + PNG, and report the bubble ratios."""
+    _model, stages = gpt_model(world, seed=2)
+    rt = build_runtime(stages, "zb-h1", n_microbatches=4, loss_fn=lm_loss, timeout=60)
+    rt.step(*token_batch(4, seed=12))  # warm-up: connections, allocator
+    result = rt.step(*token_batch(4, seed=12))
+    events = rt.gather_timeline(result)
+    if events is None:
+        return {"rank": rank}
+    trace = write_chrome_trace(events, os.path.join(out_dir, "zb-h1.json"), us_per_unit=1e6)
+    png = save_png(events, os.path.join(out_dir, "zb-h1.png"), n_ranks=world, time_label="seconds")
+    return {
+        "rank": rank,
+        "names": sorted({e.name for e in events if e.is_compute}),
+        "comm": sum(1 for e in events if e.kind == "comm"),
+        "measured": measured_bubble_ratio(events),
+        "simulated_measured_costs": simulate_measured(events, rt.schedule).bubble_ratio,
+        "simulated_unit": simulate(rt.schedule).bubble_ratio,
+        "files": [str(trace), str(png)],
+    }
+
+
+def negative_check(world: int) -> dict:
+    """Not trivially passing: the same comparison must reject a reference computed on perturbed targets."""
+    model, stages = gpt_model(world, seed=0)
+    ids, tgt = token_batch(4, seed=13)
+    rt = build_runtime(stages, "zb-h1", n_microbatches=4, loss_fn=lm_loss, timeout=60)
+    rt.step(ids, tgt)
+    wrong = tgt.clone()
+    wrong[0, 0] = (wrong[0, 0] + 1) % VOCAB
+    _loss, ref = gpt_reference(model, ids.split(MB), wrong.split(MB))
+    return compare(model, rt, ref)
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+class _Explode(nn.Module):
+    """Raises in its forward of the ``at``-th call (a rank that fails mid-step)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise ValueError(f"injected failure in forward call {self.calls}")
+        return x
+
+
+class _Stall(_Explode):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            import time
+
+            time.sleep(60)
+        return x
+
+
+def failure_worker(rank: int, world: int, mode: str, failing_rank: int) -> str:
+    """1F1B on an MLP; ``failing_rank`` raises (``mode="raise"``) or stalls (``"stall"``) in its 2nd forward."""
+    torch.manual_seed(0)
+    blocks = [nn.Linear(4, 4, dtype=torch.float64) for _ in range(world)]
+    stages = [nn.Sequential(b) for b in blocks]
+    if rank == failing_rank:
+        stages[rank].append(_Explode(2) if mode == "raise" else _Stall(2))
+    rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=2.0)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    rt.step(x, x)
+    return "finished"
+
+
+def scratch_dir() -> str:
+    return tempfile.mkdtemp(prefix="splitgrad-pipeline-")
+

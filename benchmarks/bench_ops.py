@@ -1,6 +1,6 @@
 """``splitgrad.ops`` MLP vs the ``LayerNormMLP`` module vs plain PyTorch, and each fusion vs its unfused ops.
 
-Run: ``.venv/bin/python benchmarks/bench_ops.py [--tokens 1024 --hidden 256 --ffn 1024 --rounds 30]``
+Run: ``.venv/bin/python benchmarks/bench_ops.py [--tokens 1024 --hidden 256 --ffn 1024 --rounds 30 --threads 1]``
 
 The MLP is ``LayerNorm -> Linear -> GELU(tanh) -> Linear``, forward + backward (+ ``backward_dw`` for the
 delayed variants), with the same parameter values everywhere. The ops version should cost what the module and
@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ffn", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # One thread by default: on a shared, loaded CPU two-thread GEMMs straggle and the ratios wander.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bench_mlp(args)

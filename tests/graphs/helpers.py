@@ -28,14 +28,17 @@ def mlp(*, delay: bool = True, fuse: bool = False, dtype: torch.dtype = torch.fl
 
 
 def give_main_grad(model: nn.Module, *, with_flag: bool = True) -> None:
-    """A data-parallel wrapper's fp32 ``main_grad`` buffers (Megatron attributes included) on every weight
-    a splitgrad layer fuses into."""
+    """A data-parallel wrapper's fp32 ``main_grad`` buffers (Megatron attributes included) on every matrix a
+    splitgrad layer or op fuses its weight gradient into."""
     for _, module in splitgrad.split_modules(model):
-        if getattr(module, "fuse_wgrad_accumulation", False):
-            w = module.weight
-            w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
-            if with_flag:
-                w.grad_added_to_main_grad = False
+        fused = getattr(module, "fuse_wgrad_accumulation", False) or getattr(
+            module, "accumulate_into_main_grad", False
+        )
+        for p in module.get_backward_dw_params() if fused else ():
+            if p.dim() >= 2 and not hasattr(p, "main_grad"):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                if with_flag:
+                    p.grad_added_to_main_grad = False
 
 
 def count_hooks(model: nn.Module) -> dict[str, int]:

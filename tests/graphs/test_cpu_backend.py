@@ -93,9 +93,9 @@ def test_data_dependent_ops_cannot_be_captured(bad) -> None:
 
 
 def test_freed_external_tensor_is_refused() -> None:
-    a = torch.randn(3)
-    graph, _ = CpuGraphBackend().capture(lambda: a * 2)
-    del a
+    held = [torch.randn(3)]
+    graph, _ = CpuGraphBackend().capture(lambda: held[0] * 2)
+    held.clear()  # the only reference: its memory is freed
     gc.collect()
     with pytest.raises(GraphReplayError, match="freed after capture"):
         graph.replay()

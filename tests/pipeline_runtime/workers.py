@@ -100,10 +100,12 @@ def compare(model: nn.Module, runtime: PipelineRuntime, ref: dict[str, torch.Ten
     return {"bad": bad, "checked": checked, "worst": worst}
 
 
-def run_gpt_check(name: str, per_rank: int, n_ranks: int, m: int, *, moe: bool = False, seed: int = 0,
+def run_gpt_check(name: str, per_rank: int, n_ranks: int, m: int | None = None, *, moe: bool = False, seed: int = 0,
                   pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1,
                   split_backward: bool = False) -> dict:
     n_stages = per_rank * n_ranks
+    if m is None:  # dualpipev needs at least as many microbatches as stages
+        m = max(4, n_stages) if name == "dualpipev" else 4
     model, stages = gpt_model(n_stages, moe=moe, fused=dp_group is not None, seed=seed)
     if moe:
         set_aux_loss_scale(model, 1.0 / m)
@@ -131,7 +133,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results: dict[str, dict] = {}
     m = 4
     for name, per_rank in SCHEDULES:
-        results[name] = run_gpt_check(name, per_rank, world, m)
+        results[name] = run_gpt_check(name, per_rank, world)
     results["1f1b split_backward"] = run_gpt_check("1f1b", 1, world, m, seed=3, split_backward=True)
     results["zb-h1 moe"] = run_gpt_check("zb-h1", 1, world, m, moe=True, seed=4)
     results["mlp"] = mlp_check(rank, world)
@@ -146,11 +148,11 @@ def four_rank_worker(rank: int, world: int) -> dict:
     """Every schedule on pp=4, then every schedule on pp=2 x dp=2 with splitgrad DDP (fused main_grad)."""
     results: dict[str, dict] = {}
     for name, per_rank in SCHEDULES:
-        results[f"pp4 {name}"] = run_gpt_check(name, per_rank, world, 4)
+        results[f"pp4 {name}"] = run_gpt_check(name, per_rank, world)
     groups = pipeline_groups(2, 2)
     for name, per_rank in SCHEDULES:
         results[f"pp2xdp2 {name}"] = run_gpt_check(
-            name, per_rank, 2, 4, pp_group=groups.pp_group, dp_group=groups.dp_group,
+            name, per_rank, 2, pp_group=groups.pp_group, dp_group=groups.dp_group,
             dp_rank=groups.dp_rank, dp_size=2,
         )
     return results

@@ -14,7 +14,6 @@ messages surround an action.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -273,18 +272,3 @@ class Schedule:
             f"Schedule(name={self.name!r}, n_stages={self.n_stages}, n_ranks={self.n_ranks}, "
             f"n_microbatches={self.n_microbatches}, n_actions={self.n_actions})"
         )
-
-
-def make_schedule(
-    name: str,
-    n_microbatches: int,
-    stage_to_rank: Sequence[int],
-    rank_actions: Iterable[Iterable[Action]],
-) -> Schedule:
-    """Build a :class:`Schedule` from any iterables (the constructor's keyword form, for builders)."""
-    return Schedule(
-        name=name,
-        n_microbatches=n_microbatches,
-        stage_to_rank=tuple(stage_to_rank),
-        rank_actions=tuple(tuple(acts) for acts in rank_actions),
-    )

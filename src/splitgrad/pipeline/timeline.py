@@ -262,16 +262,15 @@ def save_png(
             stages_by_rank[e.rank].append(e.stage)
     ordinal = {(r, s): sorted(ss).index(s) for r, ss in stages_by_rank.items() for s in ss}
 
-    groups: dict[str, tuple[list[float], list[float], list[float]]] = {}
+    # One broken_barh collection per (colour, rank): fast even for 10^5 events, unlike one patch per bar.
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for e in compute:
         shade = ordinal.get((e.rank, e.stage), 0)
-        colour = _COLOURS[e.kind] if shade == 0 else _lighter(_COLOURS[e.kind], min(0.45, 0.3 * shade))
-        ys, lefts, widths = groups.setdefault(colour, ([], [], []))
-        ys.append(e.rank)
-        lefts.append(e.start - t0)
-        widths.append(e.end - e.start)
-    for colour, (ys, lefts, widths) in groups.items():
-        ax.barh(ys, widths, left=lefts, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
+        colour = _COLOURS[e.kind] if shade == 0 else _lighter(_COLOURS[e.kind], min(0.6, 0.45 * shade))
+        groups.setdefault((colour, e.rank), []).append((e.start - t0, e.end - e.start))
+    edge = 0.4 if len(compute) < 5000 else 0.0
+    for (colour, rank), ranges in groups.items():
+        ax.broken_barh(ranges, (rank - 0.4, 0.8), facecolors=colour, edgecolor="black", linewidth=edge)
     side = [e for e in events if not e.is_compute]
     if side:
         ax.barh(

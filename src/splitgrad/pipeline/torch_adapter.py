@@ -38,6 +38,10 @@ What this stage adds on top:
   :func:`splitgrad.ensure_no_pending_wgrad` / :func:`splitgrad.guard_optimizer` see it, and
   :attr:`SplitgradPipelineStage.pending_microbatches` lists it. A new schedule step
   (``clear_runtime_states``) refuses to start while W work of the previous one is owed.
+* Without static shapes (``input_args``/``output_args``), ``PipelineStage`` infers gradient shapes from a
+  throw-away ``autograd.grad`` of the first microbatch before the first step; the wgrad that makes splitgrad
+  layers park is dropped (that backward writes no parameter gradient in plain torch either). Wgrad tasks
+  found in the layers' own stores at a backward (work from outside the schedule) are refused.
 * Parameters of non-splitgrad layers in the stage still get their gradients from autograd during ``I``/``B``
   (correct, just not deferred); construction logs them.
 
@@ -86,6 +90,7 @@ class SplitgradPipelineStage(PipelineStage):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_submodule(submodule, stage_index)
+        self._split_layers = [m for _, m in split_modules(submodule)]
         # (microbatch, bundle) of the backward running right now; read by the dw_builder.
         self._open: tuple[int, WgradBundle] | None = None
         # Microbatch whose W PyTorch is running right now (inside backward_weight_one_chunk).
@@ -129,6 +134,13 @@ class SplitgradPipelineStage(PipelineStage):
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
         """PyTorch's backward of microbatch ``bwd_chunk_id``, with splitgrad's wgrad parked in a bundle."""
+        stray = sum(len(m.wgrad_store) for m in self._split_layers)
+        if stray:
+            raise RuntimeError(
+                f"{self.log_prefix} its splitgrad layers hold {stray} wgrad task(s) from a backward run outside "
+                "the schedule's backward_one_chunk (e.g. metadata inference of a torch version this adapter does "
+                "not know); they would be run as some microbatch's W. Run or clear them first"
+            )
         if bwd_chunk_id in self._owed:
             raise RuntimeError(
                 f"{self.log_prefix} backward of microbatch {bwd_chunk_id} ran again before its W "
@@ -181,6 +193,15 @@ class SplitgradPipelineStage(PipelineStage):
                     "(fuse_wgrad_accumulation=True); build the schedule with scale_grads=False and scale the loss"
                 )
         super().scale_grads(grad_scale_factor)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # Private torch hook, overridden on purpose: without static input/output shapes, PipelineStage infers
+        # gradient shapes from a throw-away autograd.grad of the first microbatch. That grad writes no
+        # parameter gradient, so the wgrad tasks it makes splitgrad park are dropped, not owed.
+        with capture_wgrad() as bundle:
+            result = super()._backward_metadata_inference(*args, **kwargs)
+        bundle.discard()
+        return result
 
     # -- the W runner ---------------------------------------------------------------------------------------
     def _build_dw_runner(self) -> Callable[[], None]:

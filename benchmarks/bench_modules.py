@@ -14,38 +14,13 @@ per-expert autograd nodes, which matter when experts are many and small).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 import splitgrad.module as sgm
-from _timing import interleaved_medians, print_table
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def _medians(variants: dict[str, Callable[[], None]], *, rounds: int, clock: str) -> dict[str, float]:
-    """``_timing.interleaved_medians`` with a choice of clock.
-
-    ``cpu`` (process CPU time) is far steadier than wall time on a shared, oversubscribed machine, where
-    being descheduled would otherwise land on whichever variant happened to run; use it with ``--threads 1``
-    (with several threads it also counts spinning workers).
-    """
-    if clock == "wall":
-        return interleaved_medians(variants, rounds=rounds)
-    now = CLOCKS[clock]
-    for fn in variants.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            start = now()
-            fn()
-            samples[name].append(now() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
+from _timing import CLOCKS, interleaved_medians, print_table
 
 
 def _timed(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -97,7 +72,7 @@ def bench_layernorm_linear(args, device) -> None:
 
     x = torch.randn(args.tokens, h, device=device, requires_grad=True)
     dy = torch.randn(args.tokens, out, device=device)
-    medians = _medians(
+    medians = interleaved_medians(
         _variants(ref, make, lambda m, x: m(x), lambda m, x: m(x), x, dy, device),
         rounds=args.rounds,
         clock=args.clock,
@@ -122,7 +97,7 @@ def bench_layernorm_mlp(args, device) -> None:
 
     x = torch.randn(args.tokens, h, device=device, requires_grad=True)
     dy = torch.randn(args.tokens, h, device=device)
-    medians = _medians(
+    medians = interleaved_medians(
         _variants(ref, make, lambda m, x: m(x), lambda m, x: m(x), x, dy, device),
         rounds=args.rounds,
         clock=args.clock,
@@ -149,7 +124,7 @@ def bench_grouped_linear(args, device, experts: int) -> None:
 
     x = torch.randn(args.tokens, h, device=device, requires_grad=True)
     dy = torch.randn(args.tokens, out, device=device)
-    medians = _medians(
+    medians = interleaved_medians(
         _variants(ref, make, call_ref, lambda m, x: m(x, splits), x, dy, device),
         rounds=args.rounds,
         clock=args.clock,

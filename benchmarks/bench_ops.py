@@ -101,7 +101,7 @@ def bench_fusions(args: argparse.Namespace) -> None:
     unfused.load_state_dict(fused.state_dict())
     med = interleaved_medians(
         {"unfused forward": _forward(unfused, x), "ForwardLinearBiasActivation": _forward(fused, x)},
-        rounds=args.rounds,
+        rounds=3 * args.rounds,  # cheap, and the effect is a few percent
         warmup=2,
     )
     print_table(f"Forward fusion, forward only (Linear {h}->{f} + Bias + GELU)", med, "unfused forward")
@@ -113,7 +113,7 @@ def bench_fusions(args: argparse.Namespace) -> None:
     none.load_state_dict(bwd.state_dict())
     med = interleaved_medians(
         {"unfused fwd+bwd": _step(none, x, dy), "BackwardActivationBias fwd+bwd": _step(bwd, x, dy)},
-        rounds=args.rounds,
+        rounds=3 * args.rounds,  # cheap, and the effect is a few percent
         warmup=2,
     )
     print_table("Backward fusion, forward + backward (forward identical in both)", med, "unfused fwd+bwd")

@@ -328,6 +328,18 @@ def check_pending_and_late_errors(rank: int, world: int) -> None:
     _expect_error(lambda: ddp(batch()), "finish_grad_sync() before the next step")
     ddp.finish_grad_sync()
 
+    # A backward that bypasses the wrapper right after finish would add to the exposed averages.
+    model = mixed_model(False, False)
+    ddp = DDP(model, grad_reduce_dtype=None)
+    x = shard(batch(), rank, world)
+    loss_of(ddp(x)).backward()
+    ddp.finish_grad_sync()
+    _expect_error(lambda: loss_of(ddp.module(x)).backward(), "arrived after finish_grad_sync()")
+    ddp.zero_grad_buffer()  # recovers: a clean step gives the reference again
+    loss_of(ddp(x)).backward()
+    ddp.finish_grad_sync()
+    assert_grads_close(main_grads(model), reference(), what="after recovery")
+
 
 def _expect_error(fn: Callable[[], object], needle: str) -> None:
     try:
@@ -366,13 +378,25 @@ def check_training_loop_matches_torch_ddp(rank: int, world: int) -> None:
         opt.zero_grad()
         loss_of(theirs(shard(batch(step, torch.float32), rank, world))).backward()
         opt.step()
-    for fused in (False, True):
+    # Every way of zeroing must work: the wrapper's, the optimizer's (None -> main_grad zeroed at the next
+    # forward), and the optimizer's in place (zeroes the exposed views, i.e. main_grad itself).
+    for fused, zero in (
+        (False, "buffer"),
+        (True, "optimizer"),
+        (False, "optimizer in place"),
+        (True, "module"),
+    ):
         model = mixed_model(True, fused, dtype=torch.float32)
         ddp = DDP(model, bucket_size=300)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         guard = splitgrad.guard_optimizer(optimizer, ddp)
         for step in range(steps):
-            ddp.zero_grad_buffer()
+            if zero == "buffer":
+                ddp.zero_grad_buffer()
+            elif zero == "module":
+                ddp.zero_grad()
+            else:
+                optimizer.zero_grad(set_to_none=zero == "optimizer")
             loss_of(ddp(shard(batch(step, torch.float32), rank, world))).backward()
             run_w(ddp)
             ddp.finish_grad_sync()
@@ -380,9 +404,7 @@ def check_training_loop_matches_torch_ddp(rank: int, world: int) -> None:
         guard.remove()
         tol = {"rtol": 0.0, "atol": 0.0} if world == 2 and not fused else {"rtol": 1e-5, "atol": 1e-6}
         for (name, mine), theirs_p in zip(model.named_parameters(), theirs_model.parameters()):
-            torch.testing.assert_close(
-                mine, theirs_p, **tol, msg=lambda m, n=name, f=fused: f"fused={f} {n}: {m}"
-            )
+            torch.testing.assert_close(mine, theirs_p, **tol, msg=lambda m, n=name, z=zero: f"{z}: {n}: {m}")
 
 
 class Routed(nn.Module):

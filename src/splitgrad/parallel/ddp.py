@@ -171,7 +171,7 @@ class DistributedDataParallel(nn.Module):
                 "all but the last microbatch inside no_sync()"
             )
         if self._grads_exposed:
-            self._hide_grads()
+            self._take_back_grads()
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             skip = [bool(getattr(p, "skip_backward_post_hook", False)) for p in self._params]
@@ -288,6 +288,12 @@ class DistributedDataParallel(nn.Module):
         p = self._params[idx]
         # backward_dw may run with grad mode on: the buffer must never join an autograd graph.
         with self._lock, torch.no_grad():
+            if self._grads_exposed:
+                raise RuntimeError(
+                    f"DistributedDataParallel: a gradient for {self._names[idx]!r} arrived after "
+                    "finish_grad_sync() before a new step began; call ddp.zero_grad_buffer() (or run the next "
+                    "forward through the wrapper, ddp(x), which takes back the exposed .grad views) first"
+                )
             bucket = self._buckets[self._counts.bucket_of[idx]]
             if bucket.launched:
                 raise RuntimeError(
@@ -353,13 +359,28 @@ class DistributedDataParallel(nn.Module):
         self._next_bucket = 0
         self.launch_order = []
 
-    def _hide_grads(self) -> None:
-        # The exposed `.grad` views would let autograd accumulate into main_grad out of place (create_graph)
-        # and be counted twice; the data stays in main_grad either way.
-        for p in self._params:
-            if p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr():
-                p.grad = None
-        self._grads_exposed = False
+    def _take_back_grads(self) -> None:
+        """Start a step after finish_grad_sync() exposed ``.grad`` views: honour how the user zeroed them.
+
+        ``optimizer.zero_grad()`` (set_to_none) leaves ``.grad`` None: zero that ``main_grad``. A view still in
+        place was zeroed in place or kept on purpose (accumulate, as torch does): keep its data. Either way
+        drop the view, so that autograd cannot accumulate into it out of place and be counted twice.
+        """
+        with self._lock, torch.no_grad():
+            for name, p in zip(self._names, self._params):
+                grad = p.grad
+                if grad is None:
+                    p.main_grad.zero_()
+                    p.grad_added_to_main_grad = False
+                elif grad.data_ptr() == p.main_grad.data_ptr():
+                    p.grad = None
+                else:
+                    raise RuntimeError(
+                        f"DistributedDataParallel: {name}.grad was replaced by another tensor after "
+                        "finish_grad_sync(); it would be added to main_grad again. Zero the gradients "
+                        "(ddp.zero_grad_buffer(), ddp.zero_grad() or optimizer.zero_grad()) before the next step"
+                    )
+            self._grads_exposed = False
 
     def extra_repr(self) -> str:
         return (

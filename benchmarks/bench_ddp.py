@@ -7,7 +7,7 @@ Two gloo ranks on this machine (one compute thread each) train the same MLP of s
 * ``splitgrad DDP, delayed``: ``delay_wgrad_compute=True``, ``backward()`` then ``splitgrad.backward_dw``
   (gradients through the wgrad hooks), unfused and fused into ``main_grad``.
 
-Per variant, in interleaved rounds, three timings (each the max over ranks, median over steps):
+Each sample times every variant (in rotated order) three ways, each the max over the two ranks:
 
 * ``step``: zero, forward, backward (+ backward_dw), finish_grad_sync — the real step;
 * ``compute``: the same inside ``no_sync()`` and without finishing: compute plus hook bookkeeping, no
@@ -26,6 +26,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def _timed(fn: Callable[[], None]) -> float:
     return elapsed.item()
 
 
-def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]] | None:
+def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, list[float]]] | None:
     width, layers, tokens = cfg["width"], cfg["layers"], cfg["tokens"]
     bucket_size = cfg["bucket_mb"] * 2**20 // 4
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(rank))
@@ -102,58 +103,70 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]] | Non
         backward_dw(ddp)
         ddp.finish_grad_sync()
 
-    times: dict[str, dict[str, list[float]]] = {"torch DDP": {"step": [], "compute": []}}
-    for name in ours:
-        times[name] = {"step": [], "compute": [], "reduce": []}
-    for round_ in range(cfg["rounds"] + 1):
-        record = round_ > 0  # round 0 warms up allocator, threads and gloo connections
-        for _ in range(cfg["steps"]):
-            for kind, fn in (("step", torch_step), ("compute", torch_compute)):
-                t = _timed(fn)
-                if record:
-                    times["torch DDP"][kind].append(t)
-            for name, ddp in ours.items():
-                t_step = _timed(lambda ddp=ddp: our_step(ddp))
-                t_compute = _timed(lambda ddp=ddp: our_compute(ddp))
-                t_reduce = _timed(ddp.finish_grad_sync)
-                if record:
-                    times[name]["step"].append(t_step)
-                    times[name]["compute"].append(t_compute)
-                    times[name]["reduce"].append(t_reduce)
-    if rank:
-        return None
-    return {name: {k: statistics.median(v) for k, v in kinds.items()} for name, kinds in times.items()}
+    variants: dict[str, tuple[Callable[[], None], Callable[[], None], Callable[[], None] | None]] = {
+        "torch DDP": (torch_step, torch_compute, None)
+    }
+    for name, ddp in ours.items():
+        variants[name] = (partial(our_step, ddp), partial(our_compute, ddp), ddp.finish_grad_sync)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {"step": [], "compute": [], "reduce": []} for name in variants
+    }
+    names = list(variants)
+    for sample in range(cfg["warmup"] + cfg["samples"]):
+        # Rotate the order so no variant always runs right after the same neighbour.
+        for name in names[sample % len(names) :] + names[: sample % len(names)]:
+            step, compute, reduce_ = variants[name]
+            measured = {"step": _timed(step), "compute": _timed(compute)}
+            if reduce_ is not None:
+                measured["reduce"] = _timed(reduce_)  # the buffers hold the compute step's unreduced grads
+            if sample >= cfg["warmup"]:
+                for kind, t in measured.items():
+                    times[name][kind].append(t)
+    return times if rank == 0 else None
+
+
+def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
+    """Medians of per-sample values: step, compute, reduce, exposed (step - compute) and the step-time ratio
+    to torch DDP measured in the same sample (the medians of paired values resist drifting machine load)."""
+    base = times["torch DDP"]["step"]
+    out = {}
+    for name, t in times.items():
+        row = {
+            "step": statistics.median(t["step"]),
+            "compute": statistics.median(t["compute"]),
+            "exposed": statistics.median(s - c for s, c in zip(t["step"], t["compute"])),
+            "ratio": statistics.median(s / b for s, b in zip(t["step"], base)),
+        }
+        if t["reduce"]:
+            row["reduce"] = statistics.median(t["reduce"])
+            row["hidden"] = min(1.0, max(0.0, 1.0 - row["exposed"] / row["reduce"]))
+        out[name] = row
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
     parser.add_argument("--bucket-mb", type=int, default=4, help="bucket size (MiB of float32), both DDPs")
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=20, help="measured samples (each times every variant)")
+    parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    cfg = vars(args)
-    medians = spawn(_rank, 2, cfg, timeout=1800, threads=1)[0]
-
-    base = medians["torch DDP"]["step"]
+    times = spawn(_rank, 2, vars(args), timeout=3600, threads=1)[0]
+    rows = summarize(times)
     print(
         f"2 gloo ranks x 1 thread, {args.layers} x Linear({args.width}, {args.width}), {args.tokens} tokens/rank, "
-        f"{args.bucket_mb} MiB buckets; medians of {args.steps * args.rounds} steps"
+        f"{args.bucket_mb} MiB buckets, {args.samples} samples; medians (ms), ratio = median of paired ratios"
     )
-    print(
-        f"{'variant':<26}{'step ms':>9}{'vs torch':>10}{'compute ms':>12}{'reduce ms':>11}{'exposed ms':>12}{'hidden':>8}"
-    )
-    for name, m in medians.items():
-        exposed = m["step"] - m["compute"]
-        reduce_ = m.get("reduce")
-        hidden = "" if reduce_ is None else f"{100 * min(1.0, max(0.0, 1 - exposed / reduce_)):.0f} %"
+    header = ("variant", "step", "ratio", "compute", "reduce", "exposed", "hidden")
+    print(f"{header[0]:<30}" + "".join(f"{h:>9}" for h in header[1:]))
+    for name, r in rows.items():
         label = name if name == "torch DDP" else f"splitgrad DDP, {name}"
-        print(
-            f"{label:<26}{1e3 * m['step']:>9.1f}{m['step'] / base:>10.3f}{1e3 * m['compute']:>12.1f}"
-            f"{'' if reduce_ is None else f'{1e3 * reduce_:.1f}':>11}{1e3 * exposed:>12.1f}{hidden:>8}"
-        )
+        cells = [f"{1e3 * r['step']:.1f}", f"{r['ratio']:.3f}", f"{1e3 * r['compute']:.1f}"]
+        cells += [f"{1e3 * r['reduce']:.1f}" if "reduce" in r else "-", f"{1e3 * r['exposed']:.1f}"]
+        cells += [f"{100 * r['hidden']:.0f} %" if "hidden" in r else "-"]
+        print(f"{label:<30}" + "".join(f"{c:>9}" for c in cells))
 
 
 if __name__ == "__main__":

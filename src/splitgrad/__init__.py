@@ -21,6 +21,17 @@ from .whole_model import (
 
 __version__ = "0.1.0"
 
+# Subpackages load on first use, so `import splitgrad` stays light (no torch.distributed, no matplotlib).
+_SUBPACKAGES = ("graphs", "models", "ops", "parallel", "pipeline", "testing")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "GroupedLinear",
     "LayerNormLinear",

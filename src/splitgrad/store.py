@@ -212,6 +212,21 @@ class WeightGradStore:
         with self._lock:
             self._captured -= n
 
+    def __getstate__(self) -> dict:
+        # deepcopy / pickle of a module copies its store: only an idle one (pending work cannot be copied
+        # without running it twice or losing it). The lock is recreated, not copied.
+        if self._queue or self._captured:
+            raise RuntimeError(
+                f"cannot copy or pickle {self.name or 'WeightGradStore'} with pending wgrad work "
+                f"(pending={len(self._queue)}, in bundles={self._captured}); run backward_dw first"
+            )
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_queue")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._queue = deque()
+        self._lock = threading.Lock()
+
     def __repr__(self) -> str:
         return (
             f"WeightGradStore({self.name!r}, delay={self._delay}, pending={len(self._queue)}, "

@@ -162,3 +162,25 @@ def test_store_clear_is_loud_and_counts():
     layer(torch.randn(2, 3)).sum().backward()
     assert layer.wgrad_store.clear() == 1
     assert splitgrad.pending_wgrad(layer) == 0
+
+
+def test_copy_and_pickle_of_idle_modules_only():
+    import copy
+    import pickle
+
+    layer = splitgrad.Linear(3, 2, delay_wgrad_compute=True)
+    clone = copy.deepcopy(layer)
+    clone(torch.randn(2, 3)).sum().backward()
+    assert splitgrad.pending_wgrad(clone) == 1 and splitgrad.pending_wgrad(layer) == 0  # separate stores
+    restored = pickle.loads(pickle.dumps(layer))
+    assert restored.need_backward_dw() and restored.weight.skip_backward_post_hook
+    with pytest.raises(RuntimeError, match="pending wgrad work"):
+        copy.deepcopy(clone)
+    clone.backward_dw()
+    copy.deepcopy(clone)
+
+
+def test_subpackages_load_lazily():
+    assert splitgrad.ops.Sequential is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        splitgrad.nope  # noqa: B018

@@ -95,3 +95,17 @@ def assert_same_state(a: dict[str, object], b: dict[str, object]) -> None:
             torch.testing.assert_close(va, vb, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
         else:
             assert va == vb, f"{key}: {va!r} vs {vb!r}"
+
+
+def changed_params(before: dict[str, object], after: dict[str, object]) -> set[str]:
+    """Names of the parameters whose :func:`grad_state` entries differ between two snapshots."""
+    changed = set()
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
+            same = torch.equal(value, old)
+        else:
+            same = value is old or value == old
+        if not same:
+            changed.add(key.rsplit(".", 1)[0])
+    return changed

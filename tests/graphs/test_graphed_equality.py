@@ -17,6 +17,7 @@ from splitgrad.graphs import make_graphed_callables
 
 from .helpers import (
     assert_same_state,
+    changed_params,
     count_hooks,
     eager_step,
     give_main_grad,
@@ -130,16 +131,8 @@ def test_get_backward_dw_params_is_exactly_what_backward_dw_writes(delay: bool, 
     loss_of(graphed(torch.randn(3, 6))).backward()
     before = grad_state(model)
     graphed.backward_dw()
-    after = grad_state(model)
-    changed = {k.split(".")[0] + "." + k.split(".")[1] for k in after if not _same(before.get(k), after[k])}
     names = {n for n, p in model.named_parameters() if any(p is q for q in listed)}
-    assert changed == names
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.equal(a, b)
-    return a is b or a == b
+    assert changed_params(before, grad_state(model)) == names
 
 
 def test_replay_many_times_without_drift() -> None:

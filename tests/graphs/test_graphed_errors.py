@@ -241,3 +241,31 @@ def test_garbage_collected_with_pending_wgrad_warns() -> None:
     with pytest.warns(RuntimeWarning, match="pending wgrad replay"):
         del graphed
         gc.collect()
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        raise ValueError("backward exploded")
+
+
+class _Explodes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = splitgrad.Linear(6, 4, delay_wgrad_compute=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_FailingBackward.apply(x))
+
+
+def test_failed_warmup_leaves_no_owed_work(recwarn) -> None:
+    module = _Explodes()
+    with pytest.raises(ValueError, match="backward exploded"):
+        make_graphed_callables(module, (torch.randn(3, 6, requires_grad=True),))
+    gc.collect()
+    splitgrad.ensure_no_pending_wgrad(module)
+    assert not [w for w in recwarn if "lost" in str(w.message)]

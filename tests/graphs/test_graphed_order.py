@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.graphs import GraphAction, make_graphed_callables
+from splitgrad.graphs import CpuGraphBackend, GraphAction, make_graphed_callables
 from splitgrad.graphs.order import normalize_order
 
 from .helpers import assert_same_state, grad_state, loss_of, mlp, seeded
@@ -149,3 +149,44 @@ def test_order_normalization() -> None:
     assert str(GraphAction(1, "W", 3)) == "1W3"
     with pytest.raises(ValueError, match="distinct"):
         normalize_order(["0F0"], stages=[0, 0], defers=[False, False])
+
+
+def test_replay_out_of_capture_order_is_caught_by_the_pool_emulation() -> None:
+    """Negative check: wgrad of stage 1 captured *between* the two backward graphs but replayed after both
+    (what an ordinary ``loss.backward(); backward_dw()`` step does) would, on a GPU with the shared pool, overwrite
+    what stage 0's backward saved for its wgrad. The stand-in emulates that and the gradients come out NaN;
+    the same replay against the default capture order (all B, then all W) is exact."""
+    samples = ((torch.randn(3, 6, requires_grad=True),), (torch.randn(3, 4, requires_grad=True),))
+    xs = [torch.randn(3, 6)]
+    natural = ["0F0", "1F0", "1B0", "0B0", "1W0", "0W0"]
+
+    def step(graphed) -> None:
+        _run_schedule(natural, lambda s, m, x: graphed[s][m](x), lambda s, m: graphed[s][m].backward_dw(), xs)
+
+    bad = _chunks(0)
+    step(make_graphed_callables(tuple(bad), samples, order=["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]))
+    assert torch.isnan(bad[0][0].weight.grad).any()
+
+    good, eager = _chunks(0), _chunks(0)
+    step(make_graphed_callables(tuple(good), samples, order=natural))
+    bundles = {}
+
+    def park(stage: int, mb: int, run) -> None:
+        with splitgrad.capture_wgrad() as bundle:
+            run()
+        bundles[(stage, mb)] = bundle
+
+    _run_schedule(natural, lambda s, m, x: eager[s](x), lambda s, m: bundles.pop((s, m)).run(), xs, park)
+    for e, m in zip(eager, good):
+        assert_same_state(grad_state(m), grad_state(e))
+
+    # Without the emulation the bad order looks fine on CPU: the bug would only show up on a GPU.
+    unchecked = _chunks(0)
+    bad_order = ["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]
+    step(
+        make_graphed_callables(
+            tuple(unchecked), samples, order=bad_order, backend=CpuGraphBackend(shared_pool=False)
+        )
+    )
+    for e, m in zip(eager, unchecked):
+        assert_same_state(grad_state(m), grad_state(e))

@@ -98,9 +98,6 @@ def test_frozen_input_or_params(name: str, frozen: str) -> None:
     want = run_reference(ref, dict(op.named_parameters()), x, dy)
     if frozen == "params":
         op.requires_grad_(False)
-        y = op(x.clone().requires_grad_(), *extra)
-        xin = y.grad_fn is not None
-        assert xin
         xr = x.clone().requires_grad_()
         op(xr, *extra).backward(dy)
         torch.testing.assert_close(xr.grad, want[1], rtol=1e-10, atol=1e-12)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import splitgrad
+from splitgrad import ops
 from splitgrad.module import LayerNormLinear
 from splitgrad.parallel import DistributedDataParallel as DDP
 from splitgrad.testing import assert_grads_close, main_grads, plain_autograd_grads, shard
@@ -277,6 +278,21 @@ def check_tied_modules(rank: int, world: int) -> None:
             assert_grads_close(main_grads(model), ref, what=f"tied {delay=} {fused=}")
 
 
+def check_two_forwards_one_backward(rank: int, world: int) -> None:
+    """Two forwards joined into one loss: autograd accumulates a plain parameter once for both, so fewer
+    contributions than forwards is legitimate; the buckets wait for finish_grad_sync(), the result is exact."""
+    x = batch(n=2 * BATCH)
+    ref = plain_autograd_grads(mixed_model(False, False), lambda m: loss_of(m(x)))
+    for delay in (False, True):
+        model = mixed_model(delay, False)
+        ddp = DDP(model, grad_reduce_dtype=None, bucket_size=300)
+        first, second = shard(x, rank, world).chunk(2)
+        ((loss_of(ddp(first)) + loss_of(ddp(second))) / 2).backward()
+        run_w(ddp)
+        ddp.finish_grad_sync()
+        assert_grads_close(main_grads(model), ref, what=f"joined forwards {delay=}")
+
+
 class WithUnused(nn.Module):
     def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
         super().__init__()
@@ -459,6 +475,92 @@ def check_timeout_is_an_error(rank: int, world: int) -> None:
     dist.barrier()  # the default group is healthy; rank 1 waits here for rank 0's error
 
 
+class CastTo(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def mixed_dtype_model(delay: bool, fused: bool, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused}
+    return nn.Sequential(
+        CastTo(torch.bfloat16),
+        splitgrad.Linear(D_IN, D_HID, params_dtype=torch.bfloat16, **split),
+        CastTo(torch.float32),
+        nn.Linear(D_HID, D_HID),
+        CastTo(F64),
+        splitgrad.Linear(D_HID, D_OUT, params_dtype=F64, **split),
+    )
+
+
+def check_mixed_dtypes(rank: int, world: int) -> None:
+    """bf16 params reduce in an fp32 buffer, fp32 in the same one, float64 keeps its own (never narrowed).
+
+    The average equals the float64 mean of every rank's local fp32 gradient; the exposed bf16 ``.grad`` is
+    the averaged fp32 ``main_grad`` cast once.
+    """
+    x = shard(batch(dtype=torch.float32), rank, world)
+    for delay, fused in ((False, False), (True, True)):
+        local_model = mixed_dtype_model(delay, fused)
+        local = DDP(local_model)
+        with local.no_sync():
+            loss_of(local(x)).backward()
+            run_w(local)
+        mine = main_grads(local_model)
+        expected = {}
+        for name, g in mine.items():
+            gathered = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(gathered, g)
+            expected[name] = torch.stack([t.to(F64) for t in gathered]).mean(0)
+        model = mixed_dtype_model(delay, fused)
+        ddp = DDP(model)
+        if sorted(str(b.dtype) for b in ddp.grad_buffers) != ["torch.float32", "torch.float64"]:
+            raise AssertionError(f"buffers {ddp.grad_buffers}")
+        loss_of(ddp(x)).backward()
+        run_w(ddp)
+        ddp.finish_grad_sync()
+        got = main_grads(model)
+        for name, g in got.items():
+            want_dtype = F64 if name.startswith("5.") else torch.float32
+            if g.dtype != want_dtype:
+                raise AssertionError(f"{name}: main_grad dtype {g.dtype}, expected {want_dtype}")
+        assert_grads_close(got, expected, rtol=1e-6, atol=1e-7, what=f"mixed dtypes {delay=} {fused=}")
+        bf16_weight = model[1].weight
+        if bf16_weight.grad.dtype != torch.bfloat16 or not torch.equal(
+            bf16_weight.grad, bf16_weight.main_grad.to(torch.bfloat16)
+        ):
+            raise AssertionError("bf16 .grad is not the averaged main_grad cast to bf16")
+
+
+def fusible_ops_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    split = {"delay_wgrad_compute": delay, "accumulate_into_main_grad": fused, "dtype": dtype}
+    return nn.Sequential(
+        ops.Sequential(ops.Linear(D_IN, D_HID, **split), ops.GELU(), ops.Linear(D_HID, D_HID, **split)),
+        nn.Tanh(),
+        nn.Linear(D_HID, D_OUT, dtype=dtype),
+    )
+
+
+def check_fusible_ops(rank: int, world: int) -> None:
+    """splitgrad.ops (one autograd Function for several ops) follow the same hook contract as modules."""
+    ref = reference(model_fn=fusible_ops_model)
+    for delay in (False, True):
+        for fused in (False, True):
+            model = fusible_ops_model(delay, fused)
+            ddp = DDP(model, grad_reduce_dtype=None, bucket_size=100)
+            loss_of(ddp(shard(batch(), rank, world))).backward()
+            run_w(ddp)
+            ddp.finish_grad_sync()
+            if ddp.last_launched_early != len(ddp.buckets):
+                raise AssertionError(f"{delay=} {fused=}: not all buckets overlapped")
+            assert_grads_close(main_grads(model), ref, what=f"ops {delay=} {fused=}")
+
+
 ALL_WORLDS = [
     check_matches_reference,
     check_negative_local_grads_rejected,
@@ -467,9 +569,12 @@ ALL_WORLDS = [
     check_no_sync_zero_bubble_order,
     check_buckets_complete_out_of_order,
     check_tied_modules,
+    check_two_forwards_one_backward,
     check_reduce_scatter,
     check_training_loop_matches_torch_ddp,
     check_rank_dependent_usage,
+    check_mixed_dtypes,
+    check_fusible_ops,
 ]
 WORLD2_ONLY = [check_unused_parameter_error, check_pending_and_late_errors, check_timeout_is_an_error]
 

@@ -16,13 +16,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import splitgrad
-from splitgrad.models import GPT, GPTConfig, MoEConfig, MoEGPT, lm_loss, reference_twin, set_aux_loss_scale
-from splitgrad.models import split_into_stages
-from splitgrad.pipeline import build_schedule, simulate
+from splitgrad.models import (
+    GPT,
+    GPTConfig,
+    MoEConfig,
+    MoEGPT,
+    lm_loss,
+    reference_twin,
+    set_aux_loss_scale,
+    split_into_stages,
+)
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
 from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
 from splitgrad.pipeline.runtime import PipelineRuntime
-from splitgrad.pipeline.timeline import save_png, write_chrome_trace
 
 RTOL, ATOL = 1e-10, 1e-12
 VOCAB, SEQ, MB = 37, 8, 2
@@ -42,12 +48,21 @@ SCHEDULES = (
 SPLIT = {"zb-h1", "zb-h2", "zbv", "dualpipev", "zb-auto"}
 
 
-def gpt_model(n_stages: int, *, moe: bool = False, fused: bool = False, seed: int = 0) -> tuple[GPT, list[nn.Module]]:
-    """A seeded float64 GPT (or MoE) with deferred wgrad, cut into ``n_stages`` (embed/head may be alone)."""
-    layers = max(2, n_stages - 2)
+def gpt_model(
+    n_stages: int, *, moe: bool = False, fused: bool = False, seed: int = 0
+) -> tuple[GPT, list[nn.Module]]:
+    """A seeded float64 GPT (or MoE) with deferred wgrad, cut into ``n_stages`` stages."""
+    layers = max(2, n_stages)  # a block on every stage, so every rank has deferred work
     kwargs = dict(
-        vocab_size=VOCAB, seq_len=16, hidden_size=32, num_layers=layers, num_heads=4, ffn_hidden_size=48,
-        params_dtype=torch.float64, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+        vocab_size=VOCAB,
+        seq_len=16,
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=4,
+        ffn_hidden_size=48,
+        params_dtype=torch.float64,
+        delay_wgrad_compute=True,
+        fuse_wgrad_accumulation=fused,
     )
     if moe:
         config = MoEConfig(**kwargs, num_experts=4, top_k=2, moe_ffn_hidden_size=24, aux_loss_coef=0.1)
@@ -58,11 +73,12 @@ def gpt_model(n_stages: int, *, moe: bool = False, fused: bool = False, seed: in
     with torch.no_grad():  # jitter so norm scales/biases are not the trivial 1/0
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    sizes = None if n_stages <= layers else [0] + [1] * layers + [0]
-    return model, split_into_stages(model, n_stages, layers_per_stage=sizes)
+    return model, split_into_stages(model, n_stages)
 
 
-def token_batch(n_microbatches: int, seed: int, *, mb: int = MB, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    n_microbatches: int, seed: int, *, mb: int = MB, seq: int = SEQ
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (n_microbatches * mb, seq)
     return torch.randint(0, VOCAB, shape, generator=gen), torch.randint(0, VOCAB, shape, generator=gen)
@@ -100,9 +116,20 @@ def compare(model: nn.Module, runtime: PipelineRuntime, ref: dict[str, torch.Ten
     return {"bad": bad, "checked": checked, "worst": worst}
 
 
-def run_gpt_check(name: str, per_rank: int, n_ranks: int, m: int | None = None, *, moe: bool = False, seed: int = 0,
-                  pp_group=None, dp_group=None, dp_rank: int = 0, dp_size: int = 1,
-                  split_backward: bool = False) -> dict:
+def run_gpt_check(
+    name: str,
+    per_rank: int,
+    n_ranks: int,
+    m: int | None = None,
+    *,
+    moe: bool = False,
+    seed: int = 0,
+    pp_group=None,
+    dp_group=None,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    split_backward: bool = False,
+) -> dict:
     n_stages = per_rank * n_ranks
     if m is None:  # dualpipev needs at least as many microbatches as stages
         m = max(4, n_stages) if name == "dualpipev" else 4
@@ -111,11 +138,21 @@ def run_gpt_check(name: str, per_rank: int, n_ranks: int, m: int | None = None, 
         set_aux_loss_scale(model, 1.0 / m)
     # Every replica's data, so each rank can build the full reference.
     batches = [token_batch(m, seed=100 + d) for d in range(dp_size)]
-    ref_loss, ref = gpt_reference(model, *zip(*[(i, t) for b in batches for i, t in zip(b[0].split(MB), b[1].split(MB))]))
+    ref_loss, ref = gpt_reference(
+        model, *zip(*[(i, t) for b in batches for i, t in zip(b[0].split(MB), b[1].split(MB))])
+    )
     ddp_options = {"bucket_size": 2000} if dp_group is not None else None
-    rt = build_runtime(stages, name, n_microbatches=m, loss_fn=lm_loss, pp_group=pp_group, dp_group=dp_group,
-                       ddp_options=ddp_options, timeout=60,
-                       schedule_options={"split_backward": True} if split_backward else None)
+    rt = build_runtime(
+        stages,
+        name,
+        n_microbatches=m,
+        loss_fn=lm_loss,
+        pp_group=pp_group,
+        dp_group=dp_group,
+        ddp_options=ddp_options,
+        timeout=60,
+        schedule_options={"split_backward": True} if split_backward else None,
+    )
     ids, tgt = batches[dp_rank]
     result = rt.step(ids, tgt)
     # The replica's own loss is the mean over its microbatches; compare with the reference on its data.
@@ -152,8 +189,13 @@ def four_rank_worker(rank: int, world: int) -> dict:
     groups = pipeline_groups(2, 2)
     for name, per_rank in SCHEDULES:
         results[f"pp2xdp2 {name}"] = run_gpt_check(
-            name, per_rank, 2, pp_group=groups.pp_group, dp_group=groups.dp_group,
-            dp_rank=groups.dp_rank, dp_size=2,
+            name,
+            per_rank,
+            2,
+            pp_group=groups.pp_group,
+            dp_group=groups.dp_group,
+            dp_rank=groups.dp_rank,
+            dp_size=2,
         )
     return results
 
@@ -162,8 +204,15 @@ def mlp_blocks(*, delay: bool) -> list[nn.Module]:
     """Seeded splitgrad Linears mixed with torch layers (the same values for either ``delay``)."""
     torch.manual_seed(7)
     kw = {"delay_wgrad_compute": delay, "params_dtype": torch.float64}
-    return [splitgrad.Linear(12, 24, **kw), nn.Tanh(), splitgrad.Linear(24, 24, **kw), nn.GELU(),
-            nn.Linear(24, 24, dtype=torch.float64), nn.Tanh(), splitgrad.Linear(24, 5, **kw)]
+    return [
+        splitgrad.Linear(12, 24, **kw),
+        nn.Tanh(),
+        splitgrad.Linear(24, 24, **kw),
+        nn.GELU(),
+        nn.Linear(24, 24, dtype=torch.float64),
+        nn.Tanh(),
+        splitgrad.Linear(24, 5, **kw),
+    ]
 
 
 def mlp_check(rank: int, world: int) -> dict:
@@ -215,18 +264,17 @@ def timeline_check(rank: int, world: int, out_dir: str) -> dict:
     rt.step(*token_batch(4, seed=12))  # warm-up: connections, allocator
     result = rt.step(*token_batch(4, seed=12))
     events = rt.gather_timeline(result)
+    report = rt.timeline_report(result, os.path.join(out_dir, "zb-h1"))
     if events is None:
-        return {"rank": rank}
-    trace = write_chrome_trace(events, os.path.join(out_dir, "zb-h1.json"), us_per_unit=1e6)
-    png = save_png(events, os.path.join(out_dir, "zb-h1.png"), n_ranks=world, time_label="seconds")
+        return {"rank": rank, "report": report}
     return {
         "rank": rank,
+        "report": report,
         "names": sorted({e.name for e in events if e.is_compute}),
         "comm": sum(1 for e in events if e.kind == "comm"),
         "measured": measured_bubble_ratio(events),
         "simulated_measured_costs": simulate_measured(events, rt.schedule).bubble_ratio,
-        "simulated_unit": simulate(rt.schedule).bubble_ratio,
-        "files": [str(trace), str(png)],
+        "files": [os.path.join(out_dir, "zb-h1.json"), os.path.join(out_dir, "zb-h1.png")],
     }
 
 
@@ -284,4 +332,3 @@ def failure_worker(rank: int, world: int, mode: str, failing_rank: int) -> str:
 
 def scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="splitgrad-pipeline-")
-

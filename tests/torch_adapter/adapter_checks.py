@@ -183,7 +183,9 @@ def _matches_reference(schedule: str, three_d: bool, rank: int, world: int) -> N
             if got != ref_losses:  # the forward arithmetic is identical: bitwise
                 raise AssertionError(f"{schedule}: losses {got} != reference {ref_losses}")
         what = f"{schedule} {'3-D' if three_d else '2-D'} step {step_no} rank {rank}"
-        assert_grads_close(local_grads(held), expected_for(held, ref_grads), rtol=1e-13, atol=1e-15, what=what)
+        assert_grads_close(
+            local_grads(held), expected_for(held, ref_grads), rtol=1e-13, atol=1e-15, what=what
+        )
 
 
 def _make_match(schedule: str, three_d: bool) -> Callable[[int, int], None]:
@@ -219,7 +221,9 @@ def native_split_fails_on_3d(rank: int, world: int, group: dist.ProcessGroup) ->
         if not any("Can't detach views in-place" in m for m in chain):
             raise AssertionError(f"native split failed differently: {chain}") from exc
     else:
-        raise AssertionError("PyTorch's native I/W split ran on 3-D activations; the documented bug is fixed?")
+        raise AssertionError(
+            "PyTorch's native I/W split ran on 3-D activations; the documented bug is fixed?"
+        )
 
 
 def one_rank_zbv_matches_reference(rank: int, world: int, group: dist.ProcessGroup) -> None:
@@ -228,7 +232,9 @@ def one_rank_zbv_matches_reference(rank: int, world: int, group: dist.ProcessGro
     x, y = data(True, 1)
     step(sched, (True, True), x, y)
     _, ref = reference(x, y)
-    assert_grads_close(local_grads(held), expected_for(held, ref), rtol=1e-13, atol=1e-15, what="one-rank zbv")
+    assert_grads_close(
+        local_grads(held), expected_for(held, ref), rtol=1e-13, atol=1e-15, what="one-rank zbv"
+    )
 
 
 def swapped_runner_is_refused(rank: int, world: int, group: dist.ProcessGroup) -> None:
@@ -301,7 +307,9 @@ def misuse_is_refused(rank: int, world: int, group: dist.ProcessGroup) -> None:
     """Fused main_grad with PyTorch's .grad scaling, and torch DDP around a stage, are clear errors."""
     torch.manual_seed(0)
     fused = nn.Sequential(
-        splitgrad.Linear(HIDDEN, HIDDEN, delay_wgrad_compute=True, fuse_wgrad_accumulation=True, params_dtype=F64)
+        splitgrad.Linear(
+            HIDDEN, HIDDEN, delay_wgrad_compute=True, fuse_wgrad_accumulation=True, params_dtype=F64
+        )
     )
     fused[0].weight.main_grad = torch.zeros_like(fused[0].weight)
     stage = splitgrad_pipeline_stage(fused, 0, 1, "cpu", group=group)
@@ -309,7 +317,9 @@ def misuse_is_refused(rank: int, world: int, group: dist.ProcessGroup) -> None:
     stage.scale_grads(1)  # no scaling asked: nothing to refuse
     plain = nn.Sequential(splitgrad.Linear(HIDDEN, HIDDEN, delay_wgrad_compute=True, params_dtype=F64))
     ddp = nn.parallel.DistributedDataParallel(plain, process_group=group)
-    _expect_raises(lambda: splitgrad_pipeline_stage(ddp, 0, 1, "cpu", group=group), "DistributedDataParallel", ValueError)
+    _expect_raises(
+        lambda: splitgrad_pipeline_stage(ddp, 0, 1, "cpu", group=group), "DistributedDataParallel", ValueError
+    )
 
 
 ONE_RANK = [

@@ -31,13 +31,17 @@ def results() -> list[dict[str, str | None]]:
 
 @pytest.mark.parametrize("name", adapter_checks.ALL)
 def test_two_ranks(results, name):
-    failures = [f"--- rank {rank} ---\n{res[name]}" for rank, res in enumerate(results) if res[name] is not None]
+    failures = [
+        f"--- rank {rank} ---\n{res[name]}" for rank, res in enumerate(results) if res[name] is not None
+    ]
     assert not failures, "\n".join(failures)
 
 
 def test_stage_without_delayed_layers_is_refused():
     """Checked before PyTorch's constructor, so no process group is needed."""
-    immediate = nn.Sequential(splitgrad.Linear(4, 4), nn.GELU(), splitgrad.Linear(4, 4, delay_wgrad_compute=True))
+    immediate = nn.Sequential(
+        splitgrad.Linear(4, 4), nn.GELU(), splitgrad.Linear(4, 4, delay_wgrad_compute=True)
+    )
     with pytest.raises(ValueError, match=r"\['0'\] were built without delay_wgrad_compute=True"):
         splitgrad_pipeline_stage(immediate, 0, 2, "cpu")
     with pytest.raises(ValueError, match="contains no splitgrad layer"):

@@ -93,14 +93,17 @@ def warmup_once(
 ) -> None:
     """One eager forward + backward + deferred wgrad, the way capture will run them, hooks muted."""
     with muted_hooks(owners.stores), capture_wgrad() as bundle:
-        outputs, _ = _as_tuple(fn(*inputs), f"{type(fn).__name__} warm-up")
-        diff = [o for o in outputs if o.requires_grad]
-        wrt = _backward_wrt(inputs, params)
-        if diff and wrt:
-            torch.autograd.grad(diff, wrt, [torch.zeros_like(o) for o in diff], allow_unused=True)
-    with muted_hooks(owners.stores):
-        for task in bundle.tasks:
-            task.run(fire_hooks=False)
+        try:
+            outputs, _ = _as_tuple(fn(*inputs), f"{type(fn).__name__} warm-up")
+            diff = [o for o in outputs if o.requires_grad]
+            wrt = _backward_wrt(inputs, params)
+            if diff and wrt:
+                torch.autograd.grad(diff, wrt, [torch.zeros_like(o) for o in diff], allow_unused=True)
+            for task in bundle.tasks:
+                task.run(fire_hooks=False)
+        except BaseException:
+            bundle.discard()  # a failed warm-up must not leave owed wgrad work in the owners' counts
+            raise
 
 
 def _untracked_leaves(outputs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
@@ -216,9 +219,11 @@ class UnitCapture:
                 "graph the nn.Module that owns them"
             )
         if len(bundle) and not any(delay for _, delay in self.delay_flags):
+            labels = sorted({t.label for t in bundle.tasks})
             bundle.discard()
             raise GraphCaptureError(
-                f"{self.label}: layers deferred wgrad although none reported delay at capture"
+                f"{self.label}: {labels} deferred their weight gradient although no owner reported "
+                "need_backward_dw() when the capture order was planned; keep delay_wgrad_compute fixed"
             )
 
     def capture_wgrad(self, backend: GraphBackend) -> None:

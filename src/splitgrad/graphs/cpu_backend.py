@@ -20,7 +20,10 @@ Strict checks, mirroring what would silently corrupt memory on a GPU:
 * tensors the graph did not allocate (parameters, static inputs, gradient buffers) are held by weak reference
   to their storage, like a CUDA graph holding raw addresses: replay raises :class:`GraphReplayError` if that
   memory was freed, or if a tensor was re-allocated or re-shaped (``param.data = ...``, ``resize_``);
-* a replayed result whose shape or dtype differs from the captured one raises instead of re-allocating.
+* a replayed result whose shape or dtype differs from the captured one raises instead of re-allocating;
+* the graphs of one backend share a pool, as on a GPU, in the worst case: replaying a graph overwrites the
+  memory allocated by every graph captured after it with NaN, so replaying out of capture order (a wgrad graph
+  after a later-captured backward graph whose results are still needed, say) corrupts gradients visibly.
 
 Replay timing is Python-bound (one Python call per aten op): it says nothing about CUDA-graph speed.
 """
@@ -205,7 +208,7 @@ class CpuGraph:
     the others are weakly referenced and checked before every replay.
     """
 
-    def __init__(self, recorder: _Recorder, *, label: str = "") -> None:
+    def __init__(self, recorder: _Recorder, *, label: str = "", pool: _Pool | None = None) -> None:
         self.label = label
         self._ops = recorder.ops
         self._slots: list[torch.Tensor | _External] = []
@@ -213,7 +216,29 @@ class CpuGraph:
         for t, internal, constant in zip(recorder.tensors, recorder.internal, recorder.constant):
             self._slots.append(t if internal or constant else _External(t))
             self._meta.append(_meta(t))
+        # Pool memory: tensors this graph allocated, minus views of memory it does not own and constants.
+        foreign = {
+            t.untyped_storage().data_ptr()
+            for t, internal, constant in zip(recorder.tensors, recorder.internal, recorder.constant)
+            if constant or not internal
+        }
+        self._pool_tensors = [
+            t
+            for t, internal, constant in zip(recorder.tensors, recorder.internal, recorder.constant)
+            if internal and not constant and t.untyped_storage().data_ptr() not in foreign
+        ]
+        self._pool = pool
+        self._pool_index = pool.register(self) if pool is not None else -1
         self.replays = 0
+
+    def _scribble(self) -> None:
+        """Overwrite this graph's pool memory with garbage (NaN, or the largest integer)."""
+        with torch.no_grad():
+            for t in self._pool_tensors:
+                if t.is_floating_point() or t.is_complex():
+                    t.fill_(float("nan"))
+                elif t.dtype != torch.bool:
+                    t.fill_(torch.iinfo(t.dtype).max)
 
     def _live(self) -> list[torch.Tensor]:
         live: list[torch.Tensor] = []
@@ -244,6 +269,8 @@ class CpuGraph:
     def replay(self) -> None:
         """Re-execute the recorded aten calls; results land in the tensors recorded at capture."""
         live = self._live()
+        if self._pool is not None:
+            self._pool.before_replay(self._pool_index)
         with torch.no_grad():
             for op in self._ops:
                 args = [_decode(a, live) for a in op.args]
@@ -269,17 +296,44 @@ class CpuGraph:
         return f"CpuGraph({self.label!r}, ops={len(self._ops)}, tensors={len(self._meta)})"
 
 
+class _Pool:
+    """Emulates the memory pool the CUDA backend shares between the graphs of one capture session.
+
+    On a GPU, a graph captured later may be handed memory that an earlier graph used as scratch, so replaying
+    the earlier graph again overwrites whatever the later one left there. That is harmless when graphs replay
+    in capture order (the later graph's results are consumed before the earlier graph comes round again) and
+    corrupts gradients otherwise. The emulation assumes the worst: replaying graph ``i`` scribbles garbage over
+    the pool memory of every graph captured after it, so a wrong replay order shows up as NaN gradients.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: list[weakref.ref[CpuGraph]] = []
+
+    def register(self, graph: CpuGraph) -> int:
+        self._graphs.append(weakref.ref(graph))
+        return len(self._graphs) - 1
+
+    def before_replay(self, index: int) -> None:
+        for ref in self._graphs[index + 1 :]:
+            later = ref()
+            if later is not None:
+                later._scribble()
+
+
 class CpuGraphBackend:
     """The CPU stand-in backend (see the module docstring); works on tensors of any device.
 
     Args:
         label_prefix: prefix of the graphs' labels in error messages.
+        shared_pool: emulate the shared memory pool of the CUDA backend (see :class:`_Pool`): replaying a
+            graph overwrites the pool memory of the graphs captured after it. Off only for timing.
     """
 
     name = "cpu"
 
-    def __init__(self, *, label_prefix: str = "") -> None:
+    def __init__(self, *, label_prefix: str = "", shared_pool: bool = True) -> None:
         self.label_prefix = label_prefix
+        self._pool = _Pool() if shared_pool else None
 
     def warmup(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -288,7 +342,7 @@ class CpuGraphBackend:
         recorder = _Recorder()
         with recorder:
             result = fn()
-        graph = CpuGraph(recorder, label=f"{self.label_prefix}{label}")
+        graph = CpuGraph(recorder, label=f"{self.label_prefix}{label}", pool=self._pool)
         logger.debug("captured %r", graph)
         return graph, result
 

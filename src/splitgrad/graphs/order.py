@@ -61,13 +61,18 @@ def _parse(item: object) -> list[GraphAction]:
 
 
 def default_order(defers: Sequence[bool]) -> list[GraphAction]:
-    """``torch.cuda.make_graphed_callables``' order plus wgrad: all forwards, then backwards in reverse,
-    each followed by its wgrad graph (``defers[i]``: callable ``i`` has a deferred weight gradient)."""
-    order = [GraphAction(i, "F", 0) for i in range(len(defers))]
-    for i in reversed(range(len(defers))):
-        order.append(GraphAction(i, "B", 0))
-        if defers[i]:
-            order.append(GraphAction(i, "W", 0))
+    """The order of an ordinary training step: every forward, every backward in reverse (one
+    ``loss.backward()``), then every wgrad in reverse (``backward_dw`` from the last layer down, as
+    :func:`splitgrad.backward_dw` drains a model). ``defers[i]``: callable ``i`` has a wgrad graph.
+
+    The wgrad graphs come after *all* backward graphs on purpose: a wgrad graph captured between two backward
+    graphs but replayed after both would overwrite (shared pool) what the later backward graph saved for its
+    own wgrad.
+    """
+    n = len(defers)
+    order = [GraphAction(i, "F", 0) for i in range(n)]
+    order += [GraphAction(i, "B", 0) for i in reversed(range(n))]
+    order += [GraphAction(i, "W", 0) for i in reversed(range(n)) if defers[i]]
     return order
 
 

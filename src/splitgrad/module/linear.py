@@ -24,7 +24,8 @@ class LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, owner: Linear):  # type: ignore[override]
         ctx.owner = owner
         ctx.has_bias = bias is not None
-        # Decided at forward so that flipping the switch between forward and backward cannot mix modes.
+        # Whether the module handles the wgrad itself is fixed at forward (a switch flipped before backward
+        # cannot make autograd drop it); whether it is parked or run then is decided by the store at backward.
         ctx.split = owner._splits_wgrad()
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)

@@ -234,20 +234,25 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     def forward(func_ctx, x: torch.Tensor, state: _State, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # Which ops need backward at all: an op needs dx if anything before it (or x) needs a gradient.
-        ctxs, upstream, pos = [], state.grad_enabled and x.requires_grad, 0
+        grad_enabled = state.grad_enabled
+        ctxs, upstream, pos = [], grad_enabled and x.requires_grad, 0
         for n in state.n_params:
-            weights = state.grad_enabled and any(p.requires_grad for p in params[pos : pos + n])
-            ctxs.append(OperationContext(input_requires_grad=upstream, weight_requires_grad=weights))
+            weights = False
+            if grad_enabled:
+                for p in params[pos : pos + n]:
+                    weights = weights or p.requires_grad
+            ctxs.append(OperationContext(upstream, weights))
             upstream = upstream or weights
             pos += n
+        extra = state.extra_inputs
         for op, span in state.forward_plan.steps:
-            x = op.fuser_forward([ctxs[i] for i in span], x, [state.extra_inputs[i] for i in span])
+            a, b = span.start, span.stop
+            x = op.fuser_forward(ctxs[a:b], x, extra[a:b])
         if upstream:
-            flat, start = [], 0
+            flat, spans = [], state.spans
             for c in ctxs:
+                spans.append((len(flat), len(flat) + len(c.to_save)))
                 flat.extend(c.to_save)
-                state.spans.append((start, start + len(c.to_save)))
-                start += len(c.to_save)
                 c.to_save = ()
             func_ctx.save_for_backward(*flat)
         state.ctxs = ctxs
@@ -264,10 +269,14 @@ class _FuserFunction(torch.autograd.Function):
             c.saved_tensors = saved[a:b]
         grads: list[Any] = [None] * len(state.basic)
         try:
+            ctxs = state.ctxs
             for op, span in reversed(state.backward_plan.steps):
-                dy, op_grads = op.fuser_backward([state.ctxs[i] for i in span], dy)
-                for i, g in zip(span, op_grads):
-                    grads[i] = g
+                dy, op_grads = op.fuser_backward(ctxs[span.start : span.stop], dy)
+                if len(op_grads) != len(span):
+                    raise RuntimeError(
+                        f"{op!r}.fuser_backward returned gradients for {len(op_grads)} op(s), expected {len(span)}"
+                    )
+                grads[span.start : span.stop] = op_grads
         finally:
             # Saved tensors live with the graph (retain_graph re-runs restore them), not with the contexts.
             for c in state.ctxs:

@@ -46,7 +46,7 @@ class OperationContext:
         saved_tensors: in backward, what the forward saved (in order).
     """
 
-    def __init__(self, *, input_requires_grad: bool = False, weight_requires_grad: bool = False) -> None:
+    def __init__(self, input_requires_grad: bool = False, weight_requires_grad: bool = False) -> None:
         self.input_requires_grad = input_requires_grad
         self.weight_requires_grad = weight_requires_grad
         self.to_save: tuple[torch.Tensor | None, ...] = ()

@@ -91,7 +91,9 @@ class Sequential(nn.Sequential):
             if run:
                 steps.append(OperationFuser(run, self.fusions))
             self._cached_modules, self._cached_steps = modules, steps
-            logger.debug("ops.Sequential regrouped: %d fused run(s) in %d step(s)", len(self.fusers), len(steps))
+            logger.debug(
+                "ops.Sequential regrouped: %d fused run(s) in %d step(s)", len(self.fusers), len(steps)
+            )
         return self._cached_steps
 
     @property

@@ -37,8 +37,8 @@ class DDPConfig:
     rank's shard of each bucket (``local_grad_shards()``) holds the average; ``.grad`` is not set."""
 
     allow_unused_parameters: bool = False
-    """A parameter that received no gradient (or fewer than its forwards imply) is reduced as it is instead of
-    making ``finish_grad_sync()`` raise."""
+    """A parameter that received no gradient this step is reduced as it is (zero) instead of making
+    ``finish_grad_sync()`` raise."""
 
     expose_grads: bool = True
     """After ``finish_grad_sync()``, set every parameter's ``.grad`` to its averaged ``main_grad`` (a view when

@@ -143,8 +143,16 @@ class DistributedDataParallel(nn.Module):
         for i, p in enumerate(self._params):
             p.grad_added_to_main_grad = False
             self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_autograd_grad, i)))
+        # One hook per store: a composite op exposes its inner op's store (and hooks) as its own, and
+        # registering on both would count every contribution twice.
+        owners: dict[int, tuple[nn.Module, list[int]]] = {}
         for _, owner in split_modules(module):
-            owned = [self._index_of[id(p)] for p in owner.get_backward_dw_params() if id(p) in self._index_of]
+            _, owned = owners.setdefault(id(owner.wgrad_store), (owner, []))
+            for p in owner.get_backward_dw_params():
+                idx = self._index_of.get(id(p))
+                if idx is not None and idx not in owned:
+                    owned.append(idx)
+        for owner, owned in owners.values():
             if owned:
                 hook = partial(self._on_wgrad, tuple(owned))
                 self._handles.append(owner.register_wgrad_accumulation_and_reduce_hooks(hook))
@@ -200,8 +208,8 @@ class DistributedDataParallel(nn.Module):
 
         Raises:
             RuntimeError: inside :meth:`no_sync`; while weight-gradient work is pending; when a parameter
-                received no gradient, or fewer contributions than its forwards imply (unless
-                ``allow_unused_parameters``); when a collective fails or times out.
+                received no gradient this step (unless ``allow_unused_parameters``); when a collective fails
+                or times out.
         """
         if not self._sync:
             raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside no_sync()")
@@ -300,8 +308,9 @@ class DistributedDataParallel(nn.Module):
                     f"DistributedDataParallel: a gradient for {self._names[idx]!r} arrived after its bucket "
                     f"{bucket.index} started reducing (contributions: expected {self._counts.expected[idx]}, "
                     f"this is number {self._counts.arrived[idx] + 1}). Run the model through the wrapper "
-                    "(ddp(x), not ddp.module(x)), backward each forward's output once, and wrap all but the "
-                    "last microbatch in no_sync()"
+                    "(ddp(x), not ddp.module(x)), backward each forward's output once, wrap all but the last "
+                    "microbatch in no_sync(), and keep parameters visible in the forward graph (reentrant "
+                    "activation checkpointing hides them: use use_reentrant=False, or overlap_grad_reduce=False)"
                 )
             main_grad = p.main_grad
             if p.grad_added_to_main_grad:
@@ -337,18 +346,18 @@ class DistributedDataParallel(nn.Module):
         return bucket.buffer.device.type != "cpu" and "nccl" in str(dist.get_backend(self.process_group))
 
     def _check_all_arrived(self) -> None:
-        short = self._counts.shortfalls(range(len(self._params)))
-        if not short:
+        unused = self._counts.unused(range(len(self._params)))
+        if not unused:
             return
         listed = "; ".join(
-            f"{self._names[i]} ({f'{a} of {e} expected contributions' if e else 'not in any forward graph'})"
-            for i, a, e in short[:10]
+            f"{self._names[i]} ({f'in {e} forward graph(s)' if e else 'in no forward graph'})"
+            for i, e in unused[:10]
         )
-        more = f"; … {len(short) - 10} more" if len(short) > 10 else ""
+        more = f"; … {len(unused) - 10} more" if len(unused) > 10 else ""
         raise RuntimeError(
-            f"DistributedDataParallel.finish_grad_sync(): {len(short)} parameter(s) were never made ready on "
-            f"rank {self.rank}: {listed}{more}. A parameter unused in the forward, a forward whose output was "
-            "not backwarded, or requires_grad changed after wrapping. Pass allow_unused_parameters=True if "
+            f"DistributedDataParallel.finish_grad_sync(): {len(unused)} parameter(s) received no gradient on "
+            f"rank {self.rank}: {listed}{more}. Unused in the forward, a forward whose output was not "
+            "backwarded, or requires_grad changed after wrapping; pass allow_unused_parameters=True if "
             "unused parameters are expected"
         )
 

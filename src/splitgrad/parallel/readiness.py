@@ -130,10 +130,10 @@ class StepCounts:
         """Whether ``bucket`` has every expected contribution (and its expectations are trustworthy)."""
         return self.counted and self.missing[bucket] == 0 and not self.unpredictable[bucket]
 
-    def shortfalls(self, indices: Iterable[int]) -> list[tuple[int, int, int]]:
-        """``(index, arrived, expected)`` for parameters that got nothing, or fewer than expected."""
-        return [
-            (i, self.arrived[i], self.expected[i])
-            for i in indices
-            if self.arrived[i] == 0 or self.arrived[i] < self.expected[i]
-        ]
+    def unused(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        """``(index, expected)`` of parameters that received no contribution this step.
+
+        Fewer contributions than counted is *not* reported: two forwards joined into one loss are backwarded
+        once, so a parameter used by both is accumulated once (its bucket just waits for finish_grad_sync).
+        """
+        return [(i, self.expected[i]) for i in indices if self.arrived[i] == 0]

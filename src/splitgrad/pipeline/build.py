@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .actions import Schedule
-from .runtime import LossFn, PipelineRuntime
+from .executor import LossFn
+from .runtime import PipelineRuntime
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 
@@ -39,7 +40,9 @@ def sequential_stages(
     """
     blocks = list(blocks)
     if not 1 <= n_stages <= len(blocks):
-        raise ValueError(f"sequential_stages: need 1 <= n_stages <= len(blocks), got {n_stages=} {len(blocks)=}")
+        raise ValueError(
+            f"sequential_stages: need 1 <= n_stages <= len(blocks), got {n_stages=} {len(blocks)=}"
+        )
     if sizes is None:
         base, extra = divmod(len(blocks), n_stages)
         sizes = [base + (i < extra) for i in range(n_stages)]
@@ -79,8 +82,12 @@ def pipeline_groups(pp_size: int, dp_size: int = 1, *, backend: str | None = Non
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp_size < 1 or dp_size < 1 or pp_size * dp_size != world:
-        raise ValueError(f"pipeline_groups: need pp_size * dp_size == world size, got {pp_size=} {dp_size=} {world=}")
-    pp_groups = [dist.new_group(list(range(d * pp_size, (d + 1) * pp_size)), backend=backend) for d in range(dp_size)]
+        raise ValueError(
+            f"pipeline_groups: need pp_size * dp_size == world size, got {pp_size=} {dp_size=} {world=}"
+        )
+    pp_groups = [
+        dist.new_group(list(range(d * pp_size, (d + 1) * pp_size)), backend=backend) for d in range(dp_size)
+    ]
     dp_groups = [dist.new_group(list(range(p, world, pp_size)), backend=backend) for p in range(pp_size)]
     dp_rank, pp_rank = divmod(rank, pp_size)
     return PipelineGroups(
@@ -137,7 +144,10 @@ def build_runtime(
     if dp_group is not None:
         from ..parallel import DistributedDataParallel
 
-        mine = {s: DistributedDataParallel(m, process_group=dp_group, **(ddp_options or {})) for s, m in mine.items()}
+        mine = {
+            s: DistributedDataParallel(m, process_group=dp_group, **(ddp_options or {}))
+            for s, m in mine.items()
+        }
     elif ddp_options:
         raise ValueError("build_runtime: ddp_options need a dp_group")
     return PipelineRuntime(mine, schedule, loss_fn=loss_fn, rank=rank, pp_group=pp_group, **runtime_options)

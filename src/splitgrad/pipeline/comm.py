@@ -62,9 +62,7 @@ def message_key(transfer: Transfer) -> MessageKey:
 
 def describe(transfer: Transfer) -> str:
     """``"activation of stage 0 -> 1, microbatch 3"``."""
-    return (
-        f"{transfer.kind} of stage {transfer.src_stage} -> {transfer.dst_stage}, microbatch {transfer.microbatch}"
-    )
+    return f"{transfer.kind} of stage {transfer.src_stage} -> {transfer.dst_stage}, microbatch {transfer.microbatch}"
 
 
 def encode_header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -261,7 +259,9 @@ class PipelineComm:
         """
         msg = self._advance(transfer, action, block=True)
         if msg is None or msg.consumed:
-            raise RuntimeError(f"pipeline rank {self.rank}: action {action} receives the {describe(transfer)} twice")
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: action {action} receives the {describe(transfer)} twice"
+            )
         label = f"recv {'act' if transfer.kind == 'activation' else 'grad'} {action}"
         what = f"the {describe(transfer)} of action {action} from rank {transfer.src_rank}"
         self.wait(msg.payload_work, what, label=label)
@@ -312,7 +312,9 @@ class PipelineComm:
                 post()
                 if not (block or msg.header_work.is_completed()):
                     break
-                what = f"the header of the {describe(spec)} (before action {action}) from rank {spec.src_rank}"
+                what = (
+                    f"the header of the {describe(spec)} (before action {action}) from rank {spec.src_rank}"
+                )
                 self.wait(msg.header_work, what)
                 state.meta_in[channel] = decode_header(msg.header)
             shape, dtype = state.meta_in[channel]
@@ -350,10 +352,12 @@ class PipelineComm:
         start = time.perf_counter()
         try:
             finished = work.wait(datetime.timedelta(seconds=budget))
-        except Exception as exc:  # noqa: BLE001 - backends raise RuntimeError or DistBackendError subclasses
+        except Exception as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise self._timeout_error(what, budget) from exc
-            raise RuntimeError(f"{self._who()}: failed waiting for {what} (did that rank crash?): {exc}") from exc
+            raise RuntimeError(
+                f"{self._who()}: failed waiting for {what} (did that rank crash?): {exc}"
+            ) from exc
         if finished is False:
             raise self._timeout_error(what, budget)
         if label is not None and self._on_wait is not None:

@@ -16,20 +16,23 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .actions import Action, Schedule
 from .simulate import SimulationResult, simulate
-from .timeline import TimelineEvent
+from .timeline import TimelineEvent, save_png, write_chrome_trace
 
 __all__ = [
     "ActivationMeter",
     "TimelineRecorder",
+    "bubble_report",
     "gather_events",
     "measured_bubble_ratio",
     "measured_costs",
+    "save_measured_timeline",
     "simulate_measured",
 ]
 
@@ -160,6 +163,45 @@ def simulate_measured(events: Iterable[TimelineEvent], schedule: Schedule) -> Si
     """
     f, b, w, _ = measured_costs(events, schedule.n_stages)
     return simulate(schedule, f=f, b=b, w=w)
+
+
+def bubble_report(events: Sequence[TimelineEvent], schedule: Schedule) -> str:
+    """One line: the measured bubble ratio next to the simulated ones (measured costs, and unit costs)."""
+    measured = measured_bubble_ratio(events)
+    at_costs = simulate_measured(events, schedule).bubble_ratio
+    unit = simulate(schedule).bubble_ratio
+    span = max(e.end for e in events if e.is_compute) - min(e.start for e in events if e.is_compute)
+    return (
+        f"{schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, {schedule.n_microbatches} "
+        f"microbatches, step {1e3 * span:.1f} ms: measured bubble {100 * measured:.1f}%, simulated "
+        f"{100 * at_costs:.1f}% at the measured per-stage costs ({100 * unit:.1f}% at unit costs)"
+    )
+
+
+def save_measured_timeline(
+    events: Sequence[TimelineEvent], schedule: Schedule, prefix: str | Path
+) -> tuple[Path, Path | None]:
+    """Write ``<prefix>.json`` (Chrome trace / Perfetto) and, when matplotlib is installed, ``<prefix>.png``.
+
+    Returns:
+        The two paths (the PNG's is None without matplotlib).
+    """
+    prefix = Path(prefix)
+    trace = write_chrome_trace(
+        events, prefix.with_suffix(".json"), us_per_unit=1e6, process_name=schedule.name
+    )
+    try:
+        png = save_png(
+            events,
+            prefix.with_suffix(".png"),
+            title=bubble_report(events, schedule),
+            n_ranks=schedule.n_ranks,
+            time_label="seconds",
+        )
+    except ImportError:
+        logger.info("matplotlib is not installed: wrote %s only", trace)
+        png = None
+    return trace, png
 
 
 class ActivationMeter:

@@ -1,24 +1,15 @@
 """Run a :class:`~splitgrad.pipeline.Schedule` on torch.distributed: each rank interprets its action list.
 
-The runtime only interprets; schedules are data built elsewhere. Per action on this rank:
-
-* ``F(s, i)``: run stage ``s`` on microbatch ``i``'s input (the batch for stage 0, else the activation received
-  from ``s - 1``'s rank or handed over locally); the last stage also computes ``loss_fn(output, target)``.
-* ``B(s, i)``: backward from the stage output with the received output gradient (the last stage: from
-  ``loss / n_microbatches``) inside :func:`splitgrad.capture_wgrad`. Autograd frees the graph and the input
-  gradient goes to ``s - 1``; the weight-gradient work that splitgrad layers (``delay_wgrad_compute=True``)
-  deferred is parked in that ``(s, i)``'s :class:`~splitgrad.WgradBundle`. Plain-autograd parameters
-  (embeddings, norms, any ``torch.nn`` layer) get their gradient here, which is just as correct.
-* ``W(s, i)``: run exactly that bundle, whatever order the schedule puts ``W``\\ s in.
-* ``BW(s, i)``: ``B`` then its bundle at once.
+The runtime only interprets; schedules are data built elsewhere. For each action of this rank it receives
+what the action needs (:class:`~splitgrad.pipeline.comm.PipelineComm`), computes it
+(:class:`~splitgrad.pipeline.executor.StageExecutor`: ``F``, ``B`` with the weight-gradient work parked in a
+capture bundle, ``W`` running exactly that bundle, ``BW``), times it
+(:class:`~splitgrad.pipeline.measure.TimelineRecorder`) and queues what it produces for the next rank.
 
 Data parallelism composes per stage: a stage module with ``no_sync()`` and ``finish_grad_sync()`` (a
 :class:`splitgrad.parallel.DistributedDataParallel`) runs every action inside ``no_sync()`` except the stage's
 last ``B``-type and last ``W``-type action, so each bucket starts reducing as soon as its last contribution
 (often a ``W``) has run; ``finish_grad_sync()`` is called at the end of the step.
-
-Communication is :class:`~splitgrad.pipeline.comm.PipelineComm`; timing is
-:class:`~splitgrad.pipeline.measure.TimelineRecorder`.
 """
 
 from __future__ import annotations
@@ -26,26 +17,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..store import WgradBundle, capture_wgrad
 from ..whole_model import ensure_no_pending_wgrad
 from .actions import Action, ActionKind, Schedule
 from .comm import PipelineComm
-from .measure import ActivationMeter, TimelineRecorder, gather_events
+from .executor import LossFn, StageExecutor
+from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
 from .timeline import TimelineEvent
 
 __all__ = ["PipelineRuntime", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,7 +124,9 @@ class PipelineRuntime:
             else:
                 rank = dist.get_rank(pp_group)
         if not 0 <= rank < schedule.n_ranks:
-            raise ValueError(f"PipelineRuntime: {rank=} outside the schedule's ranks 0..{schedule.n_ranks - 1}")
+            raise ValueError(
+                f"PipelineRuntime: {rank=} outside the schedule's ranks 0..{schedule.n_ranks - 1}"
+            )
         if distributed and schedule.n_ranks > 1 and dist.get_world_size(pp_group) != schedule.n_ranks:
             raise ValueError(
                 f"PipelineRuntime: the pipeline group has {dist.get_world_size(pp_group)} ranks but schedule "
@@ -157,7 +149,13 @@ class PipelineRuntime:
         if self._distributed and prefetch is None:
             prefetch = dist.get_backend(pp_group) == "gloo"
         self.recorder = TimelineRecorder(rank, enabled=record_timeline)
-        self.meter = ActivationMeter() if track_memory else None
+        self.executor = StageExecutor(
+            self.stages,
+            n_stages=schedule.n_stages,
+            n_microbatches=schedule.n_microbatches,
+            loss_fn=loss_fn,
+            meter=ActivationMeter() if track_memory else None,
+        )
         self.comm = (
             PipelineComm(
                 schedule,
@@ -173,8 +171,9 @@ class PipelineRuntime:
         )
         # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
         self.grad_sync = {
-            s: m for s, m in self.stages.items() if callable(getattr(m, "no_sync", None))
-            and callable(getattr(m, "finish_grad_sync", None))
+            s: m
+            for s, m in self.stages.items()
+            if callable(getattr(m, "no_sync", None)) and callable(getattr(m, "finish_grad_sync", None))
         }
         # The actions of each stage during which reductions may start: its last B-type and last W-type one.
         self._sync_points: set[int] = set()
@@ -183,9 +182,6 @@ class PipelineRuntime:
                 last = [j for j, a in enumerate(self.actions) if a.stage == s and a.kind in kinds]
                 if last:
                     self._sync_points.add(last[-1])
-        self._mb_inputs: list[Any] | None = None
-        self._mb_targets: list[Any] | None = None
-        self._reset_step_state()
 
     def _own_stages(self, stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -211,14 +207,6 @@ class PipelineRuntime:
             raise TypeError(f"PipelineRuntime: stages {bad} are not nn.Modules")
         return owned
 
-    def _reset_step_state(self) -> None:
-        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._bundles: dict[tuple[int, int], WgradBundle] = {}
-        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._losses: dict[int, torch.Tensor] = {}
-        self._w_tasks = 0
-
     # -- the step ----------------------------------------------------------------------------------------
 
     def step(self, inputs: Any = None, targets: Any = None) -> StepResult:
@@ -240,51 +228,53 @@ class PipelineRuntime:
             ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
         """
         m = self.schedule.n_microbatches
-        holds_first = self.first_stage in self.stages
         holds_last = self.last_stage in self.stages
-        self._mb_inputs = split_microbatches(inputs, m, "inputs") if holds_first else None
-        self._mb_targets = split_microbatches(targets, m, "targets") if holds_last else None
+        self.executor.begin(
+            split_microbatches(inputs, m, "inputs") if self.first_stage in self.stages else None,
+            split_microbatches(targets, m, "targets") if holds_last else None,
+        )
         for s, module in self.stages.items():
             ensure_no_pending_wgrad(module, what=f"the start of PipelineRuntime.step (stage {s})")
-        if self.meter is not None:
-            self.meter.reset()
         if self.comm is not None:
             self.comm.begin_step()
             if self.recorder.enabled:
                 self._barrier()
         self.recorder.start()
-        self._reset_step_state()
         current: Action | None = None
         try:
             for j, action in enumerate(self.actions):
                 current = action
                 self._run(j, action)
             current = None
+            self.executor.check_complete(
+                f"PipelineRuntime (pipeline rank {self.rank}, {self.schedule.name!r})"
+            )
             if self.comm is not None:
                 self.comm.finish_step()
             for module in self.grad_sync.values():
                 module.finish_grad_sync()
         except BaseException as exc:
-            for bundle in self._bundles.values():
-                bundle.discard()
+            self.executor.abort()
             if self.comm is not None:
                 self.comm.abort()
-            self._reset_step_state()
             if current is not None and hasattr(exc, "add_note"):
-                exc.add_note(f"while pipeline rank {self.rank} ran action {current} of schedule {self.schedule.name!r}")
+                exc.add_note(
+                    f"while pipeline rank {self.rank} ran action {current} of schedule {self.schedule.name!r}"
+                )
             raise
         duration = time.perf_counter() - self.recorder.t0
-        losses = [self._losses[i] for i in range(m)] if holds_last else []
-        w_tasks = self._w_tasks
-        self._reset_step_state()
-        return StepResult(
+        executor = self.executor
+        losses = [executor.losses[i] for i in range(m)] if holds_last else []
+        result = StepResult(
             loss=self._step_loss(losses),
             microbatch_losses=losses,
             events=list(self.recorder.events),
-            peak_activation_bytes=None if self.meter is None else self.meter.peak,
+            peak_activation_bytes=None if executor.meter is None else executor.meter.peak,
             duration=duration,
-            w_tasks=w_tasks,
+            w_tasks=executor.w_tasks,
         )
+        executor.begin(None, None)
+        return result
 
     def _run(self, j: int, action: Action) -> None:
         stage, kind, mb = action
@@ -299,91 +289,21 @@ class PipelineRuntime:
             if ahead is not None:
                 self.comm.prefetch(ahead)
         module = self.stages[stage]
-        sync = (
-            module.no_sync()
-            if stage in self.grad_sync and j not in self._sync_points
-            else contextlib.nullcontext()
-        )
-        with self.recorder.action(action), sync:
+        reduce_now = stage not in self.grad_sync or j in self._sync_points
+        with self.recorder.action(action), contextlib.nullcontext() if reduce_now else module.no_sync():
             if kind is ActionKind.F:
-                out = self._forward(module, stage, mb, received)
+                out = self.executor.forward(stage, mb, received)
             elif kind is ActionKind.W:
-                out = self._weight(stage, mb)
+                out = self.executor.weight(stage, mb)
             else:
-                out = self._backward(stage, mb, received, run_weight=kind is ActionKind.BW)
+                out = self.executor.backward(stage, mb, received, run_weight=kind is ActionKind.BW)
+        if out is None:
+            return
         outgoing = self.schedule.send_after(action)
         if outgoing is not None:
             self.comm.queue_send(outgoing, out, action)
-        elif out is not None:
-            handoff = "activation" if kind is ActionKind.F else "gradient"
-            if (kind is ActionKind.F and stage < self.last_stage) or (kind is not ActionKind.F and stage > 0):
-                self._local[(handoff, stage, mb)] = out
-
-    def _forward(self, module: nn.Module, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
-        if stage == self.first_stage:
-            x = self._mb_inputs[mb]
         else:
-            x = received if received is not None else self._local.pop(("activation", stage - 1, mb))
-            if not x.is_floating_point():
-                raise ValueError(
-                    f"PipelineRuntime: stage {stage - 1} output must be a floating-point tensor (its gradient "
-                    f"flows back), got dtype {x.dtype} for microbatch {mb}"
-                )
-            x = x.detach().requires_grad_()
-        meter = self.meter.forward(stage, mb) if self.meter is not None else contextlib.nullcontext()
-        with meter:
-            y = module(x)
-            if stage == self.last_stage:
-                loss = self.loss_fn(y, self._mb_targets[mb])
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError(
-                        f"PipelineRuntime: loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                        f"of shape {tuple(getattr(loss, 'shape', ()))} for microbatch {mb}"
-                    )
-                self._losses[mb] = loss.detach().reshape(())
-                y = loss
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(
-                f"PipelineRuntime: stage {stage} must return one tensor, got {type(y).__name__} (microbatch {mb})"
-            )
-        self._inputs[(stage, mb)] = x
-        self._outputs[(stage, mb)] = y
-        return None if stage == self.last_stage else y.detach()
-
-    def _backward(
-        self, stage: int, mb: int, received: torch.Tensor | None, *, run_weight: bool
-    ) -> torch.Tensor | None:
-        x = self._inputs.pop((stage, mb))
-        y = self._outputs.pop((stage, mb))
-        if stage == self.last_stage:
-            grad = torch.full_like(y, 1.0 / self.schedule.n_microbatches)
-        else:
-            grad = received if received is not None else self._local.pop(("gradient", stage + 1, mb))
-            if grad.shape != y.shape:
-                raise ValueError(
-                    f"PipelineRuntime: stage {stage} microbatch {mb}: output gradient of shape "
-                    f"{tuple(grad.shape)} for an output of shape {tuple(y.shape)}"
-                )
-        with capture_wgrad() as bundle:
-            if y.requires_grad:
-                torch.autograd.backward(y, grad)
-        if run_weight:
-            bundle.run()
-            if self.meter is not None:
-                self.meter.release(stage, mb)
-        else:
-            self._bundles[(stage, mb)] = bundle
-        if stage == self.first_stage:
-            return None
-        return x.grad if x.grad is not None else torch.zeros_like(x)
-
-    def _weight(self, stage: int, mb: int) -> None:
-        bundle = self._bundles.pop((stage, mb), None)
-        if bundle is None:
-            raise RuntimeError(f"PipelineRuntime: W of stage {stage} microbatch {mb} before its B")
-        self._w_tasks += bundle.run()
-        if self.meter is not None:
-            self.meter.release(stage, mb)
+            self.executor.hand_over("activation" if kind is ActionKind.F else "gradient", stage, mb, out)
 
     # -- collectives around the step ---------------------------------------------------------------------
 
@@ -424,6 +344,21 @@ class PipelineRuntime:
         if not self._distributed:
             return list(result.events)
         return gather_events(result.events, group=self.pp_group, dst=dst)
+
+    def timeline_report(
+        self, result: StepResult, prefix: str | Path | None = None, *, dst: int = 0
+    ) -> str | None:
+        """Gather ``result``'s events; on rank ``dst`` return the measured-vs-simulated bubble line and, with
+        ``prefix``, write ``<prefix>.json`` (Perfetto) and ``<prefix>.png`` (Gantt). All ranks must call it.
+        """
+        events = self.gather_timeline(result, dst=dst)
+        if events is None:
+            return None
+        if not any(e.is_compute for e in events):
+            raise ValueError("timeline_report: the step recorded no events (record_timeline=False?)")
+        if prefix is not None:
+            save_measured_timeline(events, self.schedule, prefix)
+        return bubble_report(events, self.schedule)
 
 
 def split_microbatches(value: Any, n_microbatches: int, what: str) -> list[Any]:

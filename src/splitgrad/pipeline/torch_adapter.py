@@ -9,8 +9,8 @@ splitgrad instead of by PyTorch's autograd-graph surgery.
 Mechanism (torch 2.13, ``torch/distributed/pipelining/stage.py``):
 
 * PyTorch's zero-bubble schedules issue ``I`` (input gradient) as ``stage.backward_one_chunk(mb,
-  full_backward=False)`` and ``W`` as ``stage.backward_weight_one_chunk(mb)``; an ``I`` directly followed by
-  its ``W`` is merged into ``B`` (``full_backward=True``), and 1F1B/GPipe only issue ``B``.
+  full_backward=False)`` and ``W`` as ``stage.backward_weight_one_chunk(mb)``; 1F1B/GPipe issue only ``B``,
+  a full backward (``full_backward=True``).
 * Without a ``dw_builder``, ``I`` calls ``stage_backward_input``: it walks the autograd graph to find the
   parameter subgraphs, runs ``autograd.grad`` w.r.t. the stage inputs with ``retain_graph=True`` (the whole
   graph stays alive until ``W``), then ``detach_()``\\ es the stage outputs — which raises *"Can't detach
@@ -21,8 +21,9 @@ Mechanism (torch 2.13, ``torch/distributed/pipelining/stage.py``):
   ``retain_graph``, no in-place detach. Right after it, still inside ``backward_one_chunk(mb)``, PyTorch calls
   ``dw_builder()`` (no arguments) and stores the returned runner as ``stage.dw_runner[mb]``; for ``B`` it
   calls the runner at once, for ``I`` it pops and calls ``dw_runner[mb]`` in ``backward_weight_one_chunk(mb)``.
-  So the runner is keyed by microbatch by PyTorch itself; W does *not* have to be FIFO (and in
-  ``ScheduleZBVZeroBubble`` it is not always: a rank's two stages interleave their W's).
+  So the runner is keyed by microbatch by PyTorch itself and W need not be FIFO. (In torch 2.13's
+  zero-bubble schedules each stage's W's do come in its I order, checked for 2-4 ranks; nothing here
+  relies on it.)
 
 What this stage adds on top:
 

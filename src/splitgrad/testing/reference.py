@@ -35,7 +35,9 @@ def shard(batch: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torc
 def make_plain(model: nn.Module) -> nn.Module:
     """Switch every splitgrad module of ``model`` (in place) to plain autograd: no delay, no fused main_grad."""
     for _, module in split_modules(model):
-        module.fuse_wgrad_accumulation = False
+        # A composite op exposes its inner op's switch as a read-only property; the inner op is visited too.
+        if not isinstance(getattr(type(module), "fuse_wgrad_accumulation", None), property):
+            module.fuse_wgrad_accumulation = False
         module.set_delay_wgrad_compute(False)
     return model
 

@@ -1,0 +1,182 @@
+"""What one action computes on this rank's stages: forward, input gradient with W capture, W, hand-offs.
+
+* ``F(s, i)``: run stage ``s`` on microbatch ``i``'s input (the batch for stage 0, else the activation received
+  from ``s - 1`` or handed over locally, made a fresh leaf so its gradient can be read after ``B``); the last
+  stage also computes ``loss_fn(output, target)``.
+* ``B(s, i)``: backward from the stage output with the output gradient (the last stage: ``1 / n_microbatches``
+  on its loss) inside :func:`splitgrad.capture_wgrad`. Autograd frees the graph; the input gradient goes to
+  ``s - 1``; the weight-gradient work splitgrad layers (``delay_wgrad_compute=True``) deferred is parked in
+  ``(s, i)``'s :class:`~splitgrad.WgradBundle`. Plain-autograd parameters (embeddings, norms, any ``torch.nn``
+  layer) get their gradient here, which is just as correct.
+* ``W(s, i)``: run exactly that bundle, whatever order the schedule puts ``W``\\ s in.
+* ``BW(s, i)``: ``B`` then its bundle at once.
+
+Nothing here communicates or knows about ranks; :class:`~splitgrad.pipeline.PipelineRuntime` drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..store import WgradBundle, capture_wgrad
+from .measure import ActivationMeter
+
+__all__ = ["StageExecutor"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class StageExecutor:
+    """Runs ``F``/``B``/``W``/``BW`` of one rank's stages for one step at a time.
+
+    Args:
+        stages: ``{stage index: module}`` of this rank.
+        n_stages: stages of the whole model (the last one computes the loss).
+        n_microbatches: microbatches per step (the loss gradient is ``1 / n_microbatches``).
+        loss_fn: ``loss_fn(last stage output, target) -> scalar``.
+        meter: activation accounting, or None.
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module],
+        *,
+        n_stages: int,
+        n_microbatches: int,
+        loss_fn: LossFn,
+        meter: ActivationMeter | None = None,
+    ) -> None:
+        self.stages = dict(stages)
+        self.last_stage = n_stages - 1
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.meter = meter
+        self.begin(None, None)
+
+    def begin(self, inputs: list[Any] | None, targets: list[Any] | None) -> None:
+        """Start a step with per-microbatch inputs (first stage) and targets (last stage)."""
+        self.inputs, self.targets = inputs, targets
+        self._leaves: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._bundles: dict[tuple[int, int], WgradBundle] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        #: Detached loss of every microbatch the last stage ran.
+        self.losses: dict[int, torch.Tensor] = {}
+        #: Deferred wgrad tasks run by ``W`` actions this step.
+        self.w_tasks = 0
+        if self.meter is not None:
+            self.meter.reset()
+
+    def abort(self) -> None:
+        """Give up the step: parked W work is discarded on purpose (no garbage-collection warning)."""
+        for bundle in self._bundles.values():
+            bundle.discard()
+        self.begin(None, None)
+
+    def check_complete(self, where: str) -> None:
+        """Raise if the step left a ``W`` unrun or a forward never backwarded (gradients would be lost)."""
+        no_w, no_b = sorted(self._bundles), sorted(self._outputs)
+        if no_w or no_b:
+            raise RuntimeError(
+                f"{where}: the step ended with (stage, microbatch) {no_w} still owing their W (their weight "
+                f"gradients would be lost) and {no_b} never backwarded"
+            )
+
+    # -- local hand-offs between stages on the same rank -------------------------------------------------
+
+    def hand_over(self, kind: str, stage: int, mb: int, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` (``kind`` ``"activation"`` or ``"gradient"`` produced by ``stage``) for a local stage."""
+        self._local[(kind, stage, mb)] = tensor
+
+    def _take(self, kind: str, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+        if received is not None:
+            return received
+        try:
+            return self._local.pop((kind, stage, mb))
+        except KeyError:
+            raise RuntimeError(
+                f"no {kind} of stage {stage} microbatch {mb} was received or handed over"
+            ) from None
+
+    # -- the actions -------------------------------------------------------------------------------------
+
+    def forward(self, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """``F(stage, mb)``; returns the detached output for the next stage (None on the last stage)."""
+        if stage == 0:
+            x = self.inputs[mb]
+        else:
+            x = self._take("activation", stage - 1, mb, received)
+            if not x.is_floating_point():
+                raise ValueError(
+                    f"stage {stage - 1} must output a floating-point tensor (its gradient flows back), got dtype "
+                    f"{x.dtype} for microbatch {mb}"
+                )
+            x = x.detach().requires_grad_()
+        with self.meter.forward(stage, mb) if self.meter is not None else contextlib.nullcontext():
+            y = self.stages[stage](x)
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(
+                    f"stage {stage} must return one tensor, got {type(y).__name__} (microbatch {mb})"
+                )
+            if stage == self.last_stage:
+                y = self.loss_fn(y, self.targets[mb])
+                if not isinstance(y, torch.Tensor) or y.numel() != 1:
+                    raise ValueError(
+                        f"loss_fn must return a scalar tensor, got {type(y).__name__} of shape "
+                        f"{tuple(getattr(y, 'shape', ()))} for microbatch {mb}"
+                    )
+                self.losses[mb] = y.detach().reshape(())
+        self._leaves[(stage, mb)] = x
+        self._outputs[(stage, mb)] = y
+        return None if stage == self.last_stage else y.detach()
+
+    def backward(
+        self, stage: int, mb: int, received: torch.Tensor | None, *, run_weight: bool
+    ) -> torch.Tensor | None:
+        """``B`` (``run_weight=False``) or ``BW`` of ``(stage, mb)``; returns the input gradient (None on stage 0)."""
+        x = self._leaves.pop((stage, mb))
+        y = self._outputs.pop((stage, mb))
+        if stage == self.last_stage:
+            grad = torch.full_like(y, 1.0 / self.n_microbatches)
+        else:
+            grad = self._take("gradient", stage + 1, mb, received)
+            if grad.shape != y.shape:
+                raise ValueError(
+                    f"stage {stage} microbatch {mb}: output gradient of shape {tuple(grad.shape)} for an output of "
+                    f"shape {tuple(y.shape)}"
+                )
+        with capture_wgrad() as bundle:
+            if y.requires_grad:
+                torch.autograd.backward(y, grad)
+        if run_weight:
+            self._run_bundle(stage, mb, bundle)
+        else:
+            self._bundles[(stage, mb)] = bundle
+        if stage == 0:
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def weight(self, stage: int, mb: int) -> None:
+        """``W(stage, mb)``: run the bundle its ``B`` parked."""
+        bundle = self._bundles.pop((stage, mb), None)
+        if bundle is None:
+            raise RuntimeError(f"W of stage {stage} microbatch {mb} has no parked work: its B has not run")
+        self.w_tasks += self._run_bundle(stage, mb, bundle)
+
+    def _run_bundle(self, stage: int, mb: int, bundle: WgradBundle) -> int:
+        # Weight gradients are never differentiated. Without no_grad, an operand that is a view created inside
+        # backward (such views still require grad) would pull the gradient, and a data-parallel buffer written
+        # in place through main_grad, into an autograd graph.
+        with torch.no_grad():
+            ran = bundle.run()
+        if self.meter is not None:
+            self.meter.release(stage, mb)
+        return ran

@@ -8,6 +8,7 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 from __future__ import annotations
 
 from .convert import convert
+from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
 from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
 from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
 from .whole_model import (
@@ -33,6 +34,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "GraphCaptureError",
+    "GraphedCallable",
     "GroupedLinear",
     "LayerNormLinear",
     "LayerNormMLP",
@@ -48,6 +51,7 @@ __all__ = [
     "convert",
     "ensure_no_pending_wgrad",
     "guard_optimizer",
+    "make_graphed_callables",
     "pending_wgrad",
     "set_delay_wgrad_compute",
     "split_modules",

@@ -274,3 +274,13 @@ def test_sequential_stages_and_microbatch_splitting():
     parts = split_microbatches(torch.arange(6), 3, "inputs")
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
     assert split_microbatches(["a", "b"], 2, "targets") == ["a", "b"]
+
+
+def test_runtime_names_are_exported_lazily():
+    import splitgrad.pipeline as pipeline
+
+    assert pipeline.PipelineRuntime is PipelineRuntime
+    assert pipeline.build_runtime is build_runtime
+    assert {"PipelineRuntime", "StepResult", "build_runtime", "pipeline_groups"} <= set(pipeline.__all__)
+    with pytest.raises(AttributeError):
+        pipeline.NoSuchName  # noqa: B018

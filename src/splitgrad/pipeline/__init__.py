@@ -71,3 +71,28 @@ __all__ = [
     "zb_h2",
     "zbv",
 ]
+
+# -- runtime (torch.distributed): loaded on first use, so the schedule tools above stay light ------------
+_RUNTIME_EXPORTS = {
+    "PipelineGroups": "build",
+    "PipelineRuntime": "runtime",
+    "StepResult": "runtime",
+    "build_runtime": "build",
+    "bubble_report": "measure",
+    "measured_bubble_ratio": "measure",
+    "pipeline_groups": "build",
+    "save_measured_timeline": "measure",
+    "sequential_stages": "build",
+    "simulate_measured": "measure",
+}
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_RUNTIME_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ += sorted(_RUNTIME_EXPORTS)

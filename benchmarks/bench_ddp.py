@@ -5,7 +5,8 @@ Two gloo ranks on this machine (one compute thread each) train the same MLP of s
 * ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel`` on the model in plain-autograd mode;
 * ``splitgrad DDP, immediate``: our wrapper, same model (gradients through autograd hooks);
 * ``splitgrad DDP, delayed``: ``delay_wgrad_compute=True``, ``backward()`` then ``splitgrad.backward_dw``
-  (gradients through the wgrad hooks), unfused and fused into ``main_grad``.
+  (gradients through the wgrad hooks), unfused and fused into ``main_grad``; and with
+  ``overlap_grad_reduce=False`` (every bucket reduced in ``finish_grad_sync``) for comparison.
 
 Each sample times every variant (in rotated order) three ways, each the max over the two ranks:
 
@@ -68,13 +69,16 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, list[float]]]
     torch_model = build(width, layers, delay=False, fused=False)
     theirs = nn.parallel.DistributedDataParallel(torch_model, bucket_cap_mb=cfg["bucket_mb"])
     ours: dict[str, DistributedDataParallel] = {}
-    for name, delay, fused in (
-        ("immediate", False, False),
-        ("delayed", True, False),
-        ("delayed+fused", True, True),
+    for name, delay, fused, overlap in (
+        ("immediate", False, False, True),
+        ("delayed", True, False, True),
+        ("delayed+fused", True, True, True),
+        ("delayed, no overlap", True, False, False),
     ):
         ours[name] = DistributedDataParallel(
-            build(width, layers, delay=delay, fused=fused), bucket_size=bucket_size
+            build(width, layers, delay=delay, fused=fused),
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap,
         )
 
     def torch_step() -> None:
@@ -160,13 +164,13 @@ def main() -> None:
         f"{args.bucket_mb} MiB buckets, {args.samples} samples; medians (ms), ratio = median of paired ratios"
     )
     header = ("variant", "step", "ratio", "compute", "reduce", "exposed", "hidden")
-    print(f"{header[0]:<30}" + "".join(f"{h:>9}" for h in header[1:]))
+    print(f"{header[0]:<36}" + "".join(f"{h:>9}" for h in header[1:]))
     for name, r in rows.items():
         label = name if name == "torch DDP" else f"splitgrad DDP, {name}"
         cells = [f"{1e3 * r['step']:.1f}", f"{r['ratio']:.3f}", f"{1e3 * r['compute']:.1f}"]
         cells += [f"{1e3 * r['reduce']:.1f}" if "reduce" in r else "-", f"{1e3 * r['exposed']:.1f}"]
         cells += [f"{100 * r['hidden']:.0f} %" if "hidden" in r else "-"]
-        print(f"{label:<30}" + "".join(f"{c:>9}" for c in cells))
+        print(f"{label:<36}" + "".join(f"{c:>9}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import threading
 import time
@@ -163,9 +162,11 @@ class TorchVariant:
         )
         stage.backward_weight_one_chunk = wrap(stage.backward_weight_one_chunk, lambda *a, **k: "W")
 
-    def step(self) -> list[TimelineEvent]:
+    def zero_grad(self) -> None:
         for m in self.local:
             m.zero_grad(set_to_none=True)
+
+    def step(self) -> list[TimelineEvent]:
         self.events, self.t0 = [], time.perf_counter()
         kwargs = {"target": self.y} if self.last else {}
         self.schedule.step(*((self.x,) if self.first else ()), **kwargs)
@@ -182,8 +183,10 @@ class SplitgradVariant:
         )
         self.x, self.y = batch(cfg, three_d)
 
-    def step(self) -> list[TimelineEvent]:
+    def zero_grad(self) -> None:
         self.rt.zero_grad()
+
+    def step(self) -> list[TimelineEvent]:
         return self.rt.step(self.x, self.y).events
 
 
@@ -195,9 +198,12 @@ class ReferenceVariant:
         self.x, self.y = batch(cfg, three_d)
         self.m = cfg.n_microbatches
 
-    def step(self) -> list[TimelineEvent]:
+    def zero_grad(self) -> None:
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
+
+    def step(self) -> list[TimelineEvent]:
+        if self.model is not None:
             for xm, ym in zip(self.x.chunk(self.m), self.y.chunk(self.m), strict=True):
                 (F.mse_loss(self.model(xm), ym) / self.m).backward()
         return []
@@ -239,7 +245,9 @@ def build_variants(cfg: BenchConfig, rank: int) -> dict[str, object]:
             if not (three_d and name != "1F1B"):  # PyTorch's own split fails there: see native_attempt
                 variants[f"{tag}|torch {name}"] = TorchVariant(cfg, name, three_d, adapter=False, rank=rank)
         for name in TORCH_SCHEDULES[1:]:
-            variants[f"{tag}|torch {name} + adapter"] = TorchVariant(cfg, name, three_d, adapter=True, rank=rank)
+            variants[f"{tag}|torch {name} + adapter"] = TorchVariant(
+                cfg, name, three_d, adapter=True, rank=rank
+            )
         for name in SPLITGRAD_SCHEDULES:
             variants[f"{tag}|splitgrad {name}"] = SplitgradVariant(cfg, name, three_d, rank=rank)
     return variants
@@ -247,24 +255,66 @@ def build_variants(cfg: BenchConfig, rank: int) -> dict[str, object]:
 
 def run_rank(rank: int, world: int, cfg_fields: dict) -> dict:
     cfg = BenchConfig(**cfg_fields)
-    variants = build_variants(cfg, rank)
     sampler = RssSampler()
+    held_b_to_w = b_to_w_memory(cfg) if rank == 0 else None
+    dist.barrier()
+    variants = build_variants(cfg, rank)
+    retained: dict[str, int] = {}
     samples: dict[str, list[tuple[float, int, list[TimelineEvent] | None]]] = {k: [] for k in variants}
     try:
         for round_no in range(cfg.warmup + cfg.rounds):
             for key, variant in variants.items():
+                variant.zero_grad()
                 dist.barrier()
                 base = sampler.reset()
                 start = time.perf_counter()
                 events = variant.step()
                 dist.barrier()
                 elapsed = time.perf_counter() - start
+                if round_no == 0:
+                    # What the variant keeps from one step to the next (receive buffers, their gradients,
+                    # caches); a later step may free it first, so it is added to every step's peak.
+                    variant.zero_grad()
+                    retained[key] = max(sampler.rss() - base, 0)
                 merged = gather_events(events, dst=0)
                 if round_no >= cfg.warmup:
-                    samples[key].append((elapsed, max(sampler.peak - base, 0), merged))
+                    samples[key].append((elapsed, max(sampler.peak - base, 0) + retained[key], merged))
     finally:
         sampler.close()
-    return {"samples": samples, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    return {"samples": samples, "retained": retained, "held_b_to_w": held_b_to_w}
+
+
+def b_to_w_memory(cfg: BenchConfig) -> dict[str, float]:
+    """MiB held after F and after the input-gradient backward of one microbatch through one 2-block stage.
+
+    ``torch I``: PyTorch's own I step (``stage_backward_input``, a private function, imported here only to
+    measure it): the autograd graph is retained for W plus the gradients at the weight branch points.
+    ``splitgrad B``: the adapter's and runtime's B: plain backward inside ``capture_wgrad``.
+    """
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    sampler = RssSampler(interval=3600.0)  # only explicit reads
+    x0, dy = torch.randn(cfg.tokens, cfg.hidden), torch.randn(cfg.tokens, cfg.hidden)
+    out: dict[str, float] = {}
+    for name in ("torch I", "splitgrad B") * 2:  # the second pass is the one kept (allocator warm)
+        stage = cut(cfg, name.startswith("splitgrad"), cfg.n_blocks // 2)[0]
+        base = sampler.rss()
+        x = x0.detach().requires_grad_()
+        y = stage(x)
+        after_f = sampler.rss() - base
+        if name == "torch I":
+            _, groups = stage_backward_input([y], [dy], [x], stage.parameters())
+            after_b = sampler.rss() - base
+            stage_backward_weight(stage.parameters(), groups)
+        else:
+            with splitgrad.capture_wgrad() as bundle:
+                torch.autograd.backward(y, dy)
+            after_b = sampler.rss() - base
+            bundle.run()
+        out[f"{name} after F"], out[f"{name} after B"] = after_f / 2**20, after_b / 2**20
+        del x, y
+    sampler.close()
+    return out
 
 
 def native_attempt(rank: int, world: int, cfg_fields: dict, schedule: str) -> str:
@@ -289,6 +339,7 @@ def summarize(cfg: BenchConfig, results: list[dict]) -> dict[str, dict]:
             "peaks": peaks,
             "bubble": statistics.median(bubbles) if bubbles else None,
             "kinds": {k: (statistics.median(v) if v else None) for k, v in kinds.items()},
+            "held": [r["retained"][key] / 2**20 for r in results],
         }
     for key, row in rows.items():
         ref = rows[key.split("|")[0] + "|reference (1 process)"]["step"]
@@ -296,18 +347,27 @@ def summarize(cfg: BenchConfig, results: list[dict]) -> dict[str, dict]:
     return rows
 
 
-def print_report(cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], maxrss: list[int]) -> None:
+def print_report(
+    cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], b_to_w: dict[str, float]
+) -> None:
     print(f"\nPipeline step, 2 gloo ranks x 1 thread: {asdict(cfg)}\n")
-    print("| act. | variant | median step (s) | tokens/s | efficiency | step peak MiB r0 / r1 | measured bubble |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    head = "| act. | variant | median step (s) | tokens/s | efficiency | step peak MiB r0 / r1 | (held) | bubble |"
+    print(head)
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for key, r in rows.items():
         tag, name = key.split("|")
         bubble = "-" if r["bubble"] is None else f"{r['bubble']:.3f}"
         eff = "(1 rank)" if name.startswith("reference") else f"{r['eff']:.3f}"
         peaks = " / ".join(f"{p:.0f}" for p in r["peaks"])
-        print(f"| {tag} | {name} | {r['step']:.3f} | {r['tok_s']:,.0f} | {eff} | {peaks} | {bubble} |")
+        held = " / ".join(f"{p:.0f}" for p in r["held"])
+        print(
+            f"| {tag} | {name} | {r['step']:.3f} | {r['tok_s']:,.0f} | {eff} | {peaks} | {held} | {bubble} |"
+        )
     for name, outcome in native.items():
-        print(f"| 3-D | torch {name} | {outcome} | | | | |")
+        print(f"| 3-D | torch {name} | {outcome} | | | | | |")
+    print(
+        "\n(held): of the step peak, MiB a variant keeps from one step to the next (receive buffers, caches)."
+    )
     print("\nPer-action medians (ms; B = input-gradient backward, BW = full backward)\n")
     print("| act. | variant | F | B | W | BW |")
     print("|---|---|---:|---:|---:|---:|")
@@ -315,25 +375,36 @@ def print_report(cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str]
         if r["bubble"] is not None:
             cells = " | ".join("-" if v is None else f"{v:.1f}" for v in r["kinds"].values())
             print(f"| {' | '.join(key.split('|'))} | {cells} |")
-    print(f"\nprocess max RSS (all variants, MiB): {' / '.join(f'{m / 1024:.0f}' for m in maxrss)}")
+    print(
+        f"\nOne microbatch through one {cfg.n_blocks // 2}-block stage, single process (MiB above the start):\n"
+    )
+    print("| | after F | after B / I (held until W) |")
+    print("|---|---:|---:|")
+    for name in ("torch I", "splitgrad B"):
+        print(f"| {name} | {b_to_w[name + ' after F']:.1f} | {b_to_w[name + ' after B']:.1f} |")
+    ratio = b_to_w["splitgrad B after B"] / b_to_w["torch I after B"]
     print("\nTargets")
+    print(f"- memory held from B to W, splitgrad / PyTorch: {ratio:.2f} (target < 1)")
     for tag in ("2-D", "3-D"):
 
         def row(name: str, tag: str = tag) -> dict:
             return rows[f"{tag}|{name}"]
 
-        zb_tp = max((row(n)["tok_s"] for n in ("torch InterleavedZB", "torch ZBV") if f"{tag}|{n}" in rows), default=None)
+        zb_tp = max(
+            (row(n)["tok_s"] for n in ("torch InterleavedZB", "torch ZBV") if f"{tag}|{n}" in rows),
+            default=None,
+        )
         for name in ("splitgrad zb-h1", "splitgrad zbv"):
             vs = f", throughput / best torch ZB = {row(name)['tok_s'] / zb_tp:.3f}" if zb_tp else ""
             print(f"- {tag} {name}: efficiency {row(name)['eff']:.3f} (target >= 0.95){vs}")
-        print(
-            f"- {tag} bubble splitgrad zb-h1 / 1f1b = {row('splitgrad zb-h1')['bubble'] / row('splitgrad 1f1b')['bubble']:.3f}"
-            " (target <= 0.4)"
-        )
-        for ours, theirs in (("splitgrad zbv", "torch ZBV"), ("torch ZBV + adapter", "torch ZBV")):
+        bubble = row("splitgrad zb-h1")["bubble"] / row("splitgrad 1f1b")["bubble"]
+        print(f"- {tag} measured bubble splitgrad zb-h1 / 1f1b = {bubble:.3f} (target <= 0.4)")
+        pairs = [(f"splitgrad {n}", f"torch {t}") for n, t in (("1f1b", "1F1B"), ("zbv", "ZBV"))]
+        pairs += [(f"torch {t} + adapter", f"torch {t}") for t in ("InterleavedZB", "ZBV")]
+        for ours, theirs in pairs:
             if f"{tag}|{theirs}" in rows:
-                ratio = [a / b for a, b in zip(row(ours)["peaks"], row(theirs)["peaks"], strict=True)]
-                print(f"- {tag} step peak memory {ours} / {theirs} per rank: {' / '.join(f'{v:.2f}' for v in ratio)}")
+                ratio = " / ".join(f"{a / b:.2f}" for a, b in zip(row(ours)["peaks"], row(theirs)["peaks"]))
+                print(f"- {tag} step peak memory {ours} / {theirs}, r0 / r1: {ratio}")
 
 
 def main() -> None:
@@ -354,10 +425,12 @@ def main() -> None:
             native[name] = "ran"
         except SpawnError as exc:
             text = str(exc) + "".join(f.traceback + f.message for f in exc.failures)
-            native[name] = f"fails: {DETACH_BUG}" if DETACH_BUG in text else f"fails: {exc.failures[0].message[:80]}"
+            native[name] = (
+                f"fails: {DETACH_BUG}" if DETACH_BUG in text else f"fails: {exc.failures[0].message[:80]}"
+            )
     results = spawn(run_rank, 2, asdict(cfg), timeout=args.timeout, pg_timeout=600)
     rows = summarize(cfg, results)
-    print_report(cfg, rows, native, [r["maxrss_kib"] for r in results])
+    print_report(cfg, rows, native, results[0]["held_b_to_w"])
 
 
 if __name__ == "__main__":

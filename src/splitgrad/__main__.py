@@ -17,6 +17,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "demo": "splitgrad.cli.demo",
     "schedule": "splitgrad.cli.schedule",
+    "split": "splitgrad.cli.split_demo",
 }
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from splitgrad.pipeline import build_schedule, channel_order_problems
 from splitgrad.testing.spawn import spawn
 
 from . import workers
@@ -69,6 +70,17 @@ def test_shapes_renegotiated_each_step(two_rank_results):
 def test_wrong_reference_is_rejected(two_rank_results):
     results, _ = two_rank_results
     assert any(res["negative"]["bad"] for res in results), "perturbed targets went unnoticed"
+
+
+def test_receives_are_posted_in_the_senders_order(two_rank_results):
+    # zbv consumes rank 0's messages in a different order than rank 0 sends them: a transport that pairs
+    # messages by posting order (NCCL) would hand an activation to a gradient receive of the same shape.
+    assert channel_order_problems(build_schedule("zbv", 4, 4))
+    results, _ = two_rank_results
+    for src, dst in ((0, 1), (1, 0)):
+        sent = [tag for op, peer, tag in results[src]["posting"] if op == "send" and peer == dst]
+        posted = [tag for op, peer, tag in results[dst]["posting"] if op == "recv" and peer == src]
+        assert sent and sent == posted, f"rank {src} -> {dst}: sent {sent}, receives posted {posted}"
 
 
 def test_activation_memory_follows_schedule(two_rank_results):

@@ -12,6 +12,7 @@ import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +28,7 @@ from splitgrad.models import (
     split_into_stages,
 )
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
+from splitgrad.pipeline.comm import PipelineComm
 from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
 from splitgrad.pipeline.runtime import PipelineRuntime
 
@@ -178,6 +180,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["memory"] = memory_check(world)
     results["timeline"] = timeline_check(rank, world, out_dir)
     results["negative"] = negative_check(world)
+    results["posting"] = posting_order_check(world)
     return results
 
 
@@ -290,6 +293,26 @@ def negative_check(world: int) -> dict:
     return compare(model, rt, ref)
 
 
+def posting_order_check(world: int) -> list[tuple[str, int, int]]:
+    """Every point-to-point op this rank posts in a zbv step, in posting order: ``(op, peer, tag)``."""
+    log: list[tuple[str, int, int]] = []
+    original = PipelineComm._launch
+
+    def spy(self: PipelineComm, recv_ops: list) -> list:
+        for op in [*self._state.queued, *recv_ops]:
+            log.append(("send" if op.op is dist.isend else "recv", op.peer, op.tag))
+        return original(self, recv_ops)
+
+    PipelineComm._launch = spy
+    try:
+        _model, stages = gpt_model(2 * world, seed=1)
+        rt = build_runtime(stages, "zbv", n_microbatches=4, loss_fn=lm_loss, timeout=60)
+        rt.step(*token_batch(4, seed=14))
+    finally:
+        PipelineComm._launch = original
+    return log
+
+
 # -- failures ------------------------------------------------------------------------------------------
 
 
@@ -326,7 +349,18 @@ def failure_worker(rank: int, world: int, mode: str, failing_rank: int) -> str:
         stages[rank].append(_Explode(2) if mode == "raise" else _Stall(2))
     rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=2.0)
     x = torch.randn(8, 4, dtype=torch.float64)
-    rt.step(x, x)
+    try:
+        rt.step(x, x)
+    except Exception:
+        # A failed distributed step leaves receives posted: the runtime must refuse to run again.
+        try:
+            rt.step(x, x)
+        except RuntimeError as again:
+            if "a previous step failed" not in str(again):
+                raise AssertionError(f"second step after a failure: {again}") from again
+        else:
+            raise AssertionError("a second step after a failed one was allowed") from None
+        raise
     return "finished"
 
 

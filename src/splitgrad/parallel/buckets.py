@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -191,48 +192,62 @@ def build_buffers(
     """
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, nn.Parameter]]] = {}
     for pos, (name, p) in enumerate(named_params):
-        key = (p.device, grad_dtype_for[p.dtype])
-        groups.setdefault(key, []).append((pos, name, p))
+        groups.setdefault((p.device, grad_dtype_for[p.dtype]), []).append((pos, name, p))
 
     buffers: list[GradBuffer] = []
-    planned: list[tuple[int, GradBuffer, int, int, list, list, list]] = []
+    cuts: list[_Cut] = []
     for (device, dtype), members in groups.items():
-        # Plan the cuts first, then allocate once.
-        cuts: list[tuple[int, int, list[tuple[int, str, nn.Parameter]], list[tuple[int, int]]]] = []
-        offset = start = 0
-        current: list[tuple[int, str, nn.Parameter]] = []
-        ranges: list[tuple[int, int]] = []
-        for member in members:
-            p = member[2]
+        # Plan this buffer's cuts first, then allocate it once.
+        mine = [_Cut(start=0)]
+        offset = 0
+        for pos, name, p in members:
+            cut = mine[-1]
             offset = _round_up(offset, ALIGN)
-            ranges.append((offset - start, offset - start + p.numel()))
-            current.append(member)
+            cut.members.append((pos, name, p))
+            cut.ranges.append((offset - cut.start, offset - cut.start + p.numel()))
             offset += p.numel()
-            if offset - start >= bucket_size:
-                end = start + _round_up(offset - start, ALIGN * world_size)
-                cuts.append((start, end, current, ranges))
-                offset = start = end
-                current, ranges = [], []
-        if current:
-            end = start + _round_up(offset - start, ALIGN * world_size)
-            cuts.append((start, end, current, ranges))
-            offset = end
+            if offset - cut.start >= bucket_size:
+                offset = cut.close(offset, world_size)
+                mine.append(_Cut(start=offset))
+        if not mine[-1].members:
+            mine.pop()
+        else:
+            offset = mine[-1].close(offset, world_size)
         buffer = GradBuffer(dtype, device, offset)
         buffers.append(buffer)
-        for start, end, members_, ranges_ in cuts:
-            planned.append((members_[0][0], buffer, start, end, members_, ranges_, []))
+        for cut in mine:
+            cut.buffer = buffer
+        cuts.extend(mine)
 
     buckets: list[Bucket] = []
-    for index, (_, buffer, start, end, members, ranges, _) in enumerate(sorted(planned, key=lambda t: t[0])):
-        bucket = Bucket(index, buffer, start, end, [m[2] for m in members], [m[1] for m in members], ranges)
-        for (_, _, p), (lo, hi) in zip(members, ranges):
+    for index, cut in enumerate(sorted(cuts, key=lambda c: c.members[0][0])):
+        params = [p for _, _, p in cut.members]
+        bucket = Bucket(
+            index, cut.buffer, cut.start, cut.end, params, [n for _, n, _ in cut.members], cut.ranges
+        )
+        for p, (lo, hi) in zip(params, cut.ranges):
             p.main_grad = bucket.data[lo:hi].view(p.shape)
-        buffer.buckets.append(bucket)
+        cut.buffer.buckets.append(bucket)
         buckets.append(bucket)
     logger.debug(
-        "laid out %d parameter(s) into %d buffer(s), %d bucket(s)",
+        "laid out %d parameter(s) in %d buffer(s), %d bucket(s)",
         len(named_params),
         len(buffers),
         len(buckets),
     )
     return buffers, buckets
+
+
+@dataclass(kw_only=True, slots=True)
+class _Cut:
+    """A planned bucket: whole parameters from ``start`` of a buffer, padded to a multiple of the world size."""
+
+    start: int
+    end: int = 0
+    members: list[tuple[int, str, nn.Parameter]] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    buffer: GradBuffer | None = None
+
+    def close(self, offset: int, world_size: int) -> int:
+        self.end = self.start + _round_up(offset - self.start, ALIGN * world_size)
+        return self.end

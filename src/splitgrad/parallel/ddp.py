@@ -132,6 +132,7 @@ class DistributedDataParallel(nn.Module):
         self._sync = True
         self._next_bucket = 0
         self._grads_exposed = False
+        self._exposed: list[torch.Tensor] = []
         #: Bucket indices in the order their collectives were issued this step (diagnostics, tests).
         self.launch_order: list[int] = []
         #: Of the last finished step: the launch order, and how many buckets were already reducing when
@@ -225,8 +226,11 @@ class DistributedDataParallel(nn.Module):
             self.last_launch_order, self.last_launched_early = self.launch_order, launched_early
             self._start_new_step()
         if self.config.expose_grads and not self.config.reduce_scatter:
-            for p in self._params:
-                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+            self._exposed = [
+                p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype) for p in self._params
+            ]
+            for p, grad in zip(self._params, self._exposed):
+                p.grad = grad
             self._grads_exposed = True
 
     def zero_grad_buffer(self) -> None:
@@ -242,6 +246,7 @@ class DistributedDataParallel(nn.Module):
                 p.grad = None
                 p.grad_added_to_main_grad = False
             self._grads_exposed = False
+            self._exposed = []
             self._start_new_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -369,19 +374,22 @@ class DistributedDataParallel(nn.Module):
         self.launch_order = []
 
     def _take_back_grads(self) -> None:
-        """Start a step after finish_grad_sync() exposed ``.grad`` views: honour how the user zeroed them.
+        """Start a step after finish_grad_sync() exposed ``.grad``: honour how the user zeroed it.
 
         ``optimizer.zero_grad()`` (set_to_none) leaves ``.grad`` None: zero that ``main_grad``. A view still in
-        place was zeroed in place or kept on purpose (accumulate, as torch does): keep its data. Either way
-        drop the view, so that autograd cannot accumulate into it out of place and be counted twice.
+        place was zeroed in place or kept on purpose (accumulate, as torch does): keep its data. A cast copy
+        (parameter narrower than main_grad) is copied back, so whatever was done to it counts. Either way
+        drop ``.grad``, so that autograd cannot accumulate into it out of place and be counted twice.
         """
         with self._lock, torch.no_grad():
-            for name, p in zip(self._names, self._params):
+            for name, p, exposed in zip(self._names, self._params, self._exposed):
                 grad = p.grad
                 if grad is None:
                     p.main_grad.zero_()
                     p.grad_added_to_main_grad = False
-                elif grad.data_ptr() == p.main_grad.data_ptr():
+                elif grad is exposed or grad.data_ptr() == p.main_grad.data_ptr():
+                    if grad.data_ptr() != p.main_grad.data_ptr():
+                        p.main_grad.copy_(grad)
                     p.grad = None
                 else:
                     raise RuntimeError(
@@ -390,6 +398,7 @@ class DistributedDataParallel(nn.Module):
                         "(ddp.zero_grad_buffer(), ddp.zero_grad() or optimizer.zero_grad()) before the next step"
                     )
             self._grads_exposed = False
+            self._exposed = []
 
     def extra_repr(self) -> str:
         return (

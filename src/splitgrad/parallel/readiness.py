@@ -103,18 +103,14 @@ class StepCounts:
         #: see); such a bucket is reduced only in finish_grad_sync().
         self.unpredictable = [False] * self._n_buckets
 
-    def add_expected(self, counts: dict[int, int]) -> list[int]:
-        """Add one forward's counts; returns the buckets whose expectations grew."""
-        grown: set[int] = set()
+    def add_expected(self, counts: dict[int, int]) -> None:
+        """Add one forward's counts (from :func:`count_contributions`)."""
         for idx, n in counts.items():
-            bucket = self.bucket_of[idx]
-            before = self.arrived[idx] >= self.expected[idx]
+            complete_before = self.arrived[idx] >= self.expected[idx]
             self.expected[idx] += n
-            if before and self.arrived[idx] < self.expected[idx]:
-                self.missing[bucket] += 1
-            grown.add(bucket)
+            if complete_before and self.arrived[idx] < self.expected[idx]:
+                self.missing[self.bucket_of[idx]] += 1
         self.counted = True
-        return sorted(grown)
 
     def arrive(self, idx: int) -> int:
         """Record one contribution to parameter ``idx``; returns its bucket."""

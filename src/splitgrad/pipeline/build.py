@@ -139,7 +139,7 @@ def build_runtime(
         )
     rank = runtime_options.pop("rank", None)
     if rank is None:
-        rank = dist.get_rank(pp_group) if dist.is_initialized() else 0
+        rank = dist.get_rank(pp_group) if dist.is_initialized() and schedule.n_ranks > 1 else 0
     mine: dict[int, nn.Module] = {s: stages[s] for s in schedule.stages_of(rank)}
     if dp_group is not None:
         from ..parallel import DistributedDataParallel

@@ -315,7 +315,7 @@ class PipelineComm:
                 what = (
                     f"the header of the {describe(spec)} (before action {action}) from rank {spec.src_rank}"
                 )
-                self.wait(msg.header_work, what)
+                self.wait(msg.header_work, what, label=f"recv header {action}" if block else None)
                 state.meta_in[channel] = decode_header(msg.header)
             shape, dtype = state.meta_in[channel]
             msg.payload = torch.empty(shape, dtype=dtype, device=self.device)

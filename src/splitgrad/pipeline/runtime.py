@@ -32,6 +32,7 @@ from .comm import PipelineComm
 from .executor import LossFn, StageExecutor
 from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
 from .timeline import TimelineEvent
+from .validate import validate
 
 __all__ = ["PipelineRuntime", "StepResult"]
 
@@ -53,7 +54,8 @@ class StepResult:
     """With ``track_memory``: peak bytes autograd saved in this rank's forwards and not yet released by the
     microbatch's ``W``/``BW`` (the simulator's memory model; an upper bound of what ``B``-to-``W`` holds)."""
     duration: float = 0.0
-    """Seconds from the step origin to this rank's last action's end (communication drained)."""
+    """Seconds from the step origin until this rank's sends were delivered and its data-parallel reductions
+    finished (the loss broadcast not included)."""
     w_tasks: int = 0
     """Deferred weight-gradient tasks this rank's ``W`` actions ran (0 when nothing was split)."""
 
@@ -109,12 +111,10 @@ class PipelineRuntime:
         if not timeout > 0:
             raise ValueError(f"PipelineRuntime: timeout must be positive seconds, got {timeout=}")
         if check_schedule:
-            from .validate import validate
-
             validate(schedule)
         distributed = dist.is_available() and dist.is_initialized()
         if rank is None:
-            if schedule.n_ranks == 1 and not distributed:
+            if schedule.n_ranks == 1:
                 rank = 0
             elif not distributed:
                 raise RuntimeError(
@@ -149,6 +149,9 @@ class PipelineRuntime:
         if self._distributed and prefetch is None:
             prefetch = dist.get_backend(pp_group) == "gloo"
         self.recorder = TimelineRecorder(rank, enabled=record_timeline)
+        # Set when a distributed step fails: receives it posted may still be pending in the backend and would
+        # take the next step's messages, so the runtime refuses to run again.
+        self._failed: str | None = None
         self.executor = StageExecutor(
             self.stages,
             n_stages=schedule.n_stages,
@@ -227,6 +230,12 @@ class PipelineRuntime:
                 weight-gradient work is pending in the stages before the step.
             ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
         """
+        if self._failed is not None:
+            raise RuntimeError(
+                f"PipelineRuntime (pipeline rank {self.rank}): a previous step failed ({self._failed}); messages "
+                "it posted may still be in flight, so this runtime cannot run again. Tear down the process "
+                "groups and build a new one"
+            )
         m = self.schedule.n_microbatches
         holds_last = self.last_stage in self.stages
         self.executor.begin(
@@ -253,20 +262,22 @@ class PipelineRuntime:
                 self.comm.finish_step()
             for module in self.grad_sync.values():
                 module.finish_grad_sync()
+            duration = time.perf_counter() - self.recorder.t0
+            losses = [self.executor.losses[i] for i in range(m)] if holds_last else []
+            loss = self._step_loss(losses)
         except BaseException as exc:
             self.executor.abort()
             if self.comm is not None:
                 self.comm.abort()
+                self._failed = f"{type(exc).__name__} at action {current}"
             if current is not None and hasattr(exc, "add_note"):
                 exc.add_note(
                     f"while pipeline rank {self.rank} ran action {current} of schedule {self.schedule.name!r}"
                 )
             raise
-        duration = time.perf_counter() - self.recorder.t0
         executor = self.executor
-        losses = [executor.losses[i] for i in range(m)] if holds_last else []
         result = StepResult(
-            loss=self._step_loss(losses),
+            loss=loss,
             microbatch_losses=losses,
             events=list(self.recorder.events),
             peak_activation_bytes=None if executor.meter is None else executor.meter.peak,

@@ -247,9 +247,11 @@ def save_png(
     t0 = min((e.start for e in events), default=0.0)
     t1 = max((e.end for e in events), default=1.0)
     total = max(t1 - t0, 1e-12)
-    positive = [e.end - e.start for e in compute if e.end > e.start]
-    shortest = min(positive) if positive else total
-    width_in = min(48.0, max(8.0, 0.32 * total / shortest + 1.5))
+    positive = sorted(e.end - e.start for e in compute if e.end > e.start)
+    # Scale by the median action, not the shortest: measured timelines have sub-millisecond outliers that
+    # would otherwise stretch the chart to its maximum width.
+    typical = positive[len(positive) // 2] if positive else total
+    width_in = min(48.0, max(8.0, 0.32 * total / typical + 1.5))
     height_in = min(40.0, 1.4 + 0.42 * rows)
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)

@@ -116,16 +116,21 @@ def spawn(
         )
         for rank in range(world_size)
     ]
+    finished = False
     try:
         for proc in procs:
             proc.start()
-        return _collect(procs, results_q, timeout=timeout, grace=grace)
+        results = _collect(procs, results_q, timeout=timeout, grace=grace)
+        finished = True
+        return results
     finally:
+        # After success the ranks are only tearing down their process group: let them exit on their own.
+        deadline = time.monotonic() + (grace if finished else 0.0)
         for proc in procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
-        for proc in procs:
-            proc.join(timeout=5)
+                proc.join(timeout=5)
         results_q.close()
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -17,6 +17,10 @@ Each sample times every variant (in rotated order) three ways, each the max over
   overlap — the reduction time alone.
 
 ``exposed = step - compute`` is the reduction time the step still pays; ``hidden = 1 - exposed / reduce``.
+``cpu ratio`` compares the CPU time of a step (both processes, all threads: compute, hooks, gloo), which a
+shared machine's load disturbs less than wall time; ``(cpu)`` is the CPU time of the reduction alone. When it
+is close to ``reduce``, the reduction is CPU work: on a machine without idle cores (2 ranks on 2 cores) it
+competes with compute instead of hiding behind it.
 
 Run: ``.venv/bin/python benchmarks/bench_ddp.py`` (``--help`` for sizes).
 """
@@ -49,13 +53,19 @@ def build(width: int, layers: int, *, delay: bool, fused: bool) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def _timed(fn: Callable[[], None], cpu: list[float] | None = None) -> float:
+    """Wall time of ``fn`` (max over ranks); appends the mean CPU time of the two processes to ``cpu``."""
     dist.barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a data-parallel step lasts as long as its slowest rank
-    return elapsed.item()
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu])
+    dist.all_reduce(
+        elapsed[:1], op=dist.ReduceOp.MAX
+    )  # a data-parallel step lasts as long as its slowest rank
+    dist.all_reduce(elapsed[1:])
+    if cpu is not None:
+        cpu.append(elapsed[1].item() / dist.get_world_size())
+    return elapsed[0].item()
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, list[float]]] | None:
@@ -113,16 +123,20 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, list[float]]]
     for name, ddp in ours.items():
         variants[name] = (partial(our_step, ddp), partial(our_compute, ddp), ddp.finish_grad_sync)
     times: dict[str, dict[str, list[float]]] = {
-        name: {"step": [], "compute": [], "reduce": []} for name in variants
+        name: {"step": [], "compute": [], "reduce": [], "cpu": [], "reduce cpu": []} for name in variants
     }
     names = list(variants)
     for sample in range(cfg["warmup"] + cfg["samples"]):
         # Rotate the order so no variant always runs right after the same neighbour.
         for name in names[sample % len(names) :] + names[: sample % len(names)]:
             step, compute, reduce_ = variants[name]
-            measured = {"step": _timed(step), "compute": _timed(compute)}
+            cpu: list[float] = []
+            measured = {"step": _timed(step, cpu), "compute": _timed(compute)}
+            measured["cpu"] = cpu[0]
             if reduce_ is not None:
-                measured["reduce"] = _timed(reduce_)  # the buffers hold the compute step's unreduced grads
+                # The buffers hold the compute step's unreduced gradients.
+                measured["reduce"] = _timed(reduce_, cpu)
+                measured["reduce cpu"] = cpu[1]
             if sample >= cfg["warmup"]:
                 for kind, t in measured.items():
                     times[name][kind].append(t)
@@ -140,9 +154,11 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, f
             "compute": statistics.median(t["compute"]),
             "exposed": statistics.median(s - c for s, c in zip(t["step"], t["compute"])),
             "ratio": statistics.median(s / b for s, b in zip(t["step"], base)),
+            "cpu ratio": statistics.median(c / b for c, b in zip(t["cpu"], times["torch DDP"]["cpu"])),
         }
         if t["reduce"]:
             row["reduce"] = statistics.median(t["reduce"])
+            row["reduce cpu"] = statistics.median(t["reduce cpu"])
             row["hidden"] = min(1.0, max(0.0, 1.0 - row["exposed"] / row["reduce"]))
         out[name] = row
     return out
@@ -163,14 +179,20 @@ def main() -> None:
         f"2 gloo ranks x 1 thread, {args.layers} x Linear({args.width}, {args.width}), {args.tokens} tokens/rank, "
         f"{args.bucket_mb} MiB buckets, {args.samples} samples; medians (ms), ratio = median of paired ratios"
     )
-    header = ("variant", "step", "ratio", "compute", "reduce", "exposed", "hidden")
-    print(f"{header[0]:<36}" + "".join(f"{h:>9}" for h in header[1:]))
+    header = ("variant", "step", "ratio", "cpu ratio", "compute", "reduce", "(cpu)", "exposed", "hidden")
+    print(f"{header[0]:<36}" + "".join(f"{h:>10}" for h in header[1:]))
     for name, r in rows.items():
         label = name if name == "torch DDP" else f"splitgrad DDP, {name}"
-        cells = [f"{1e3 * r['step']:.1f}", f"{r['ratio']:.3f}", f"{1e3 * r['compute']:.1f}"]
-        cells += [f"{1e3 * r['reduce']:.1f}" if "reduce" in r else "-", f"{1e3 * r['exposed']:.1f}"]
+        cells = [
+            f"{1e3 * r['step']:.1f}",
+            f"{r['ratio']:.3f}",
+            f"{r['cpu ratio']:.3f}",
+            f"{1e3 * r['compute']:.1f}",
+        ]
+        cells += [f"{1e3 * r[k]:.1f}" if k in r else "-" for k in ("reduce", "reduce cpu")]
+        cells += [f"{1e3 * r['exposed']:.1f}"]
         cells += [f"{100 * r['hidden']:.0f} %" if "hidden" in r else "-"]
-        print(f"{label:<36}" + "".join(f"{c:>9}" for c in cells))
+        print(f"{label:<36}" + "".join(f"{c:>10}" for c in cells))
 
 
 if __name__ == "__main__":

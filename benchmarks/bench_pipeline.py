@@ -46,7 +46,7 @@ from torch import nn
 import splitgrad
 from splitgrad.pipeline import TimelineEvent
 from splitgrad.pipeline.build import build_runtime
-from splitgrad.pipeline.measure import gather_events, measured_bubble_ratio
+from splitgrad.pipeline.measure import gather_events, measured_bubble_ratio, simulate_measured
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import SpawnError, spawn
 
@@ -183,6 +183,10 @@ class SplitgradVariant:
         )
         self.x, self.y = batch(cfg, three_d)
 
+    @property
+    def schedule(self):
+        return self.rt.schedule
+
     def zero_grad(self) -> None:
         self.rt.zero_grad()
 
@@ -260,7 +264,7 @@ def run_rank(rank: int, world: int, cfg_fields: dict) -> dict:
     dist.barrier()
     variants = build_variants(cfg, rank)
     retained: dict[str, int] = {}
-    samples: dict[str, list[tuple[float, int, list[TimelineEvent] | None]]] = {k: [] for k in variants}
+    samples: dict[str, list[tuple]] = {k: [] for k in variants}
     try:
         for round_no in range(cfg.warmup + cfg.rounds):
             for key, variant in variants.items():
@@ -278,7 +282,11 @@ def run_rank(rank: int, world: int, cfg_fields: dict) -> dict:
                     retained[key] = max(sampler.rss() - base, 0)
                 merged = gather_events(events, dst=0)
                 if round_no >= cfg.warmup:
-                    samples[key].append((elapsed, max(sampler.peak - base, 0) + retained[key], merged))
+                    peak = max(sampler.peak - base, 0) + retained[key]
+                    simulated = None
+                    if merged and isinstance(variant, SplitgradVariant):
+                        simulated = simulate_measured(merged, variant.schedule).bubble_ratio
+                    samples[key].append((elapsed, peak, merged, simulated))
     finally:
         sampler.close()
     return {"samples": samples, "retained": retained, "held_b_to_w": held_b_to_w}
@@ -291,36 +299,52 @@ def b_to_w_memory(cfg: BenchConfig) -> dict[str, float]:
     measure it): the autograd graph is retained for W plus the gradients at the weight branch points.
     ``splitgrad B``: the adapter's and runtime's B: plain backward inside ``capture_wgrad``.
     """
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     sampler = RssSampler(interval=3600.0)  # only explicit reads
     x0, dy = torch.randn(cfg.tokens, cfg.hidden), torch.randn(cfg.tokens, cfg.hidden)
     out: dict[str, float] = {}
     for name in ("torch I", "splitgrad B") * 2:  # the second pass is the one kept (allocator warm)
-        stage = cut(cfg, name.startswith("splitgrad"), cfg.n_blocks // 2)[0]
-        base = sampler.rss()
-        x = x0.detach().requires_grad_()
-        y = stage(x)
-        after_f = sampler.rss() - base
-        if name == "torch I":
-            _, groups = stage_backward_input([y], [dy], [x], stage.parameters())
-            after_b = sampler.rss() - base
-            stage_backward_weight(stage.parameters(), groups)
-        else:
-            with splitgrad.capture_wgrad() as bundle:
-                torch.autograd.backward(y, dy)
-            after_b = sampler.rss() - base
-            bundle.run()
+        # In a function so that everything of one pass is freed before the next pass's baseline.
+        after_f, after_b = _one_microbatch(cfg, name, sampler, x0, dy)
         out[f"{name} after F"], out[f"{name} after B"] = after_f / 2**20, after_b / 2**20
-        del x, y
     sampler.close()
     return out
+
+
+def _one_microbatch(
+    cfg: BenchConfig, name: str, sampler: RssSampler, x0: torch.Tensor, dy: torch.Tensor
+) -> tuple[int, int]:
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    stage = cut(cfg, name.startswith("splitgrad"), cfg.n_blocks // 2)[0]
+    base = sampler.rss()
+    x = x0.detach().requires_grad_()
+    y = stage(x)
+    after_f = sampler.rss() - base
+    if name == "torch I":
+        _, groups = stage_backward_input([y], [dy], [x], stage.parameters())
+        after_b = sampler.rss() - base
+        stage_backward_weight(stage.parameters(), groups)
+    else:
+        with splitgrad.capture_wgrad() as bundle:
+            torch.autograd.backward(y, dy)
+        after_b = sampler.rss() - base
+        bundle.run()
+    return after_f, after_b
 
 
 def native_attempt(rank: int, world: int, cfg_fields: dict, schedule: str) -> str:
     """One step of PyTorch's own I/W split on plain blocks with 3-D activations (expected to raise)."""
     TorchVariant(BenchConfig(**cfg_fields), schedule, True, adapter=False, rank=rank).step()
     return "ran"
+
+
+def _rank_compute(events: list[TimelineEvent]) -> dict[int, float]:
+    """Seconds of compute events per rank."""
+    out: dict[int, float] = {}
+    for e in events:
+        if e.is_compute:
+            out[e.rank] = out.get(e.rank, 0.0) + e.end - e.start
+    return out
 
 
 # -- report -----------------------------------------------------------------------------------------------------
@@ -332,12 +356,16 @@ def summarize(cfg: BenchConfig, results: list[dict]) -> dict[str, dict]:
         peaks = [max(s[1] for s in r["samples"][key]) / 2**20 for r in results]
         events = [e for s in per_round for e in (s[2] or [])]
         bubbles = [measured_bubble_ratio(s[2]) for s in per_round if s[2]]
+        simulated = [s[3] for s in per_round if s[3] is not None]
+        busiest = [max(_rank_compute(s[2]).values()) for s in per_round if s[2]]
         kinds = {k: [(e.end - e.start) * 1e3 for e in events if e.kind == k] for k in ("F", "B", "W", "BW")}
         rows[key] = {
             "step": step,
             "tok_s": tokens / step,
             "peaks": peaks,
             "bubble": statistics.median(bubbles) if bubbles else None,
+            "simulated": statistics.median(simulated) if simulated else None,
+            "compute": statistics.median(busiest) if busiest else None,
             "kinds": {k: (statistics.median(v) if v else None) for k, v in kinds.items()},
             "held": [r["retained"][key] / 2**20 for r in results],
         }
@@ -348,9 +376,11 @@ def summarize(cfg: BenchConfig, results: list[dict]) -> dict[str, dict]:
 
 
 def print_report(
-    cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], b_to_w: dict[str, float]
+    cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], b_to_w: dict[str, float], load: list
 ) -> None:
-    print(f"\nPipeline step, 2 gloo ranks x 1 thread: {asdict(cfg)}\n")
+    print(f"\nPipeline step, 2 gloo ranks x 1 thread: {asdict(cfg)}")
+    cores = os.cpu_count()
+    print(f"machine: {cores} cores; 1/5/15-min load average before / after: {load[0]} / {load[1]}\n")
     head = "| act. | variant | median step (s) | tokens/s | efficiency | step peak MiB r0 / r1 | (held) | bubble |"
     print(head)
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -368,13 +398,25 @@ def print_report(
     print(
         "\n(held): of the step peak, MiB a variant keeps from one step to the next (receive buffers, caches)."
     )
-    print("\nPer-action medians (ms; B = input-gradient backward, BW = full backward)\n")
-    print("| act. | variant | F | B | W | BW |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "\nProfile: per-action medians (ms; B = input-gradient backward, BW = full backward); compute (s) of"
+    )
+    print(
+        "the busiest rank per step vs half the reference step (the ideal); bubble simulated at measured costs\n"
+    )
+    print(
+        "| act. | variant | F | B | W | BW | busiest-rank compute (s) | / (reference / 2) | simulated bubble |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for key, r in rows.items():
         if r["bubble"] is not None:
             cells = " | ".join("-" if v is None else f"{v:.1f}" for v in r["kinds"].values())
-            print(f"| {' | '.join(key.split('|'))} | {cells} |")
+            half_ref = rows[key.split("|")[0] + "|reference (1 process)"]["step"] / 2
+            sim = "-" if r["simulated"] is None else f"{r['simulated']:.3f}"
+            print(
+                f"| {' | '.join(key.split('|'))} | {cells} | {r['compute']:.3f} | {r['compute'] / half_ref:.2f}"
+                f" | {sim} |"
+            )
     print(
         f"\nOne microbatch through one {cfg.n_blocks // 2}-block stage, single process (MiB above the start):\n"
     )
@@ -428,9 +470,11 @@ def main() -> None:
             native[name] = (
                 f"fails: {DETACH_BUG}" if DETACH_BUG in text else f"fails: {exc.failures[0].message[:80]}"
             )
+    load_before = tuple(round(v, 1) for v in os.getloadavg())
     results = spawn(run_rank, 2, asdict(cfg), timeout=args.timeout, pg_timeout=600)
+    load_after = tuple(round(v, 1) for v in os.getloadavg())
     rows = summarize(cfg, results)
-    print_report(cfg, rows, native, results[0]["held_b_to_w"])
+    print_report(cfg, rows, native, results[0]["held_b_to_w"], [load_before, load_after])
 
 
 if __name__ == "__main__":

@@ -96,6 +96,12 @@ class WgradTask:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the distinct storages this task keeps alive until it runs (0 once it ran)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in self._versions}
+        return sum(storages.values())
+
     def run(self, *, fire_hooks: bool = True) -> None:
         """Compute and write the gradients, then fire the owner's wgrad hooks.
 
@@ -114,7 +120,9 @@ class WgradTask:
                     f"in place after backward (version {version} -> {tensor._version}); its weight gradient "
                     "would be wrong"
                 )
-        with torch.profiler.record_function(f"splitgrad.wgrad:{self.label}"):
+        # No grad mode: saved operands can be views of tensors that require grad (a view made inside backward
+        # still does), and recording their W math would attach a grad_fn to `.grad` or `main_grad`.
+        with torch.no_grad(), torch.profiler.record_function(f"splitgrad.wgrad:{self.label}"):
             self._compute()
         self._done = True
         # Drop operands as soon as possible: they are activation-sized.
@@ -259,6 +267,14 @@ class WgradBundle:
     @property
     def tasks(self) -> tuple[WgradTask, ...]:
         return tuple(self._tasks)
+
+    def saved_bytes(self) -> int:
+        """Bytes the bundle's unrun tasks keep alive (the activation memory held between B and W)."""
+        storages: dict[int, int] = {}
+        for task in self._tasks:
+            for t, _ in task._versions:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
 
     @property
     def pending(self) -> bool:

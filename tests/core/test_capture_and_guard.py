@@ -184,3 +184,18 @@ def test_subpackages_load_lazily():
     assert splitgrad.ops.Sequential is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         splitgrad.nope  # noqa: B018
+
+
+def test_wgrad_runs_without_recording_autograd_history():
+    """Saved operands can be views of tensors requiring grad; W must not attach a grad_fn to the gradients."""
+    for fused in (False, True):
+        layer = splitgrad.Linear(8, 8, bias=False, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        layer.weight.main_grad = torch.zeros(8, 8)
+        x = torch.randn(2, 3, 8, requires_grad=True)
+        with splitgrad.capture_wgrad() as bundle:
+            layer(x * 2).backward(torch.randn(2, 3, 8))
+        assert bundle.saved_bytes() == (2 * 3 * 8 + 2 * 3 * 8) * 4  # dy and x: what B keeps alive until W
+        bundle.run()
+        assert bundle.saved_bytes() == 0
+        written = layer.weight.main_grad if fused else layer.weight.grad
+        assert not written.requires_grad and written.grad_fn is None

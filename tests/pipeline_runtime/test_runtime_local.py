@@ -19,8 +19,9 @@ import splitgrad
 from splitgrad.pipeline import Action, ActionKind, Schedule, build_schedule, simulate
 from splitgrad.pipeline.build import build_runtime, sequential_stages
 from splitgrad.pipeline.comm import decode_header, encode_header
+from splitgrad.pipeline.executor import split_microbatches
 from splitgrad.pipeline.measure import measured_bubble_ratio, measured_costs, simulate_measured
-from splitgrad.pipeline.runtime import PipelineRuntime, split_microbatches
+from splitgrad.pipeline.runtime import PipelineRuntime
 
 from .workers import ATOL, RTOL, SPLIT, mlp_blocks
 

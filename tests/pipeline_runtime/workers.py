@@ -298,10 +298,10 @@ def posting_order_check(world: int) -> list[tuple[str, int, int]]:
     log: list[tuple[str, int, int]] = []
     original = PipelineComm._launch
 
-    def spy(self: PipelineComm, recv_ops: list) -> list:
+    def spy(self: PipelineComm, recv_ops: list, action) -> list:
         for op in [*self._state.queued, *recv_ops]:
             log.append(("send" if op.op is dist.isend else "recv", op.peer, op.tag))
-        return original(self, recv_ops)
+        return original(self, recv_ops, action)
 
     PipelineComm._launch = spy
     try:

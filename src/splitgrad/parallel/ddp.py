@@ -344,7 +344,8 @@ class DistributedDataParallel(nn.Module):
             )
         self._next_bucket = bucket.index + 1
         self.launch_order.append(bucket.index)
-        logger.debug("rank %d launched bucket %d (%s)", self.rank, bucket.index, bucket.describe())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("rank %d launched bucket %d (%s)", self.rank, bucket.index, bucket.describe())
 
     def _supports_avg(self, bucket: Bucket) -> bool:
         # NCCL averages natively; gloo does not everywhere (and torch DDP pre-divides on it), so pre-divide.

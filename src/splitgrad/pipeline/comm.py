@@ -99,6 +99,8 @@ class _Incoming:
 
 @dataclass(slots=True)
 class _StepState:
+    """Per-step bookkeeping: negotiated shapes, messages being received, sends queued or in flight."""
+
     meta_out: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     meta_in: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     incoming: dict[MessageKey, _Incoming] = field(default_factory=dict)
@@ -166,6 +168,9 @@ class PipelineComm:
         self._tag_base = 2 * schedule.n_stages
         self._state = _StepState()
 
+    def _rank_of(self, global_rank: int) -> int:
+        return next((r for r, g in self._global.items() if g == global_rank), global_rank)
+
     def _global_rank(self, r: int) -> int:
         if self.group is None or self.group is dist.GroupMember.WORLD:
             return r
@@ -187,9 +192,7 @@ class PipelineComm:
         state = self._state
         deadline = time.monotonic() + self.timeout
         for works, _tensors, about in state.sent:
-            for work, (transfer, action) in zip(works, about):
-                what = f"rank {transfer.dst_rank} to receive the {describe(transfer)} sent by action {action}"
-                self.wait(work, what, deadline=deadline)
+            self._wait_sent(works, about, deadline)
         received = sum(state.next_index.values())
         expected = sum(len(msgs) for msgs in self._from_peer.values())
         unread = [describe(m.transfer) for m in state.incoming.values() if not m.consumed]
@@ -227,17 +230,48 @@ class PipelineComm:
         state.queued.append(dist.P2POp(dist.isend, payload, peer, self.group, self._tag(transfer, False)))
         state.queued_about.append((transfer, action))
 
-    def flush(self) -> None:
-        """Post every queued send now."""
-        self._launch([])
+    def _wait_sent(
+        self, works: list[dist.Work], about: list[tuple[Transfer, Action]], deadline: float
+    ) -> None:
+        for work, (transfer, action) in zip(works, about):
+            what = f"rank {transfer.dst_rank} to receive the {describe(transfer)} sent by action {action}"
+            self.wait(work, what, deadline=deadline)
 
-    def _launch(self, recv_ops: list[dist.P2POp]) -> list[dist.Work]:
+    def _release_delivered(self) -> None:
+        """Drop finished sends (their tensors would otherwise live until the end of the step)."""
+        state, pending = self._state, []
+        for entry in state.sent:
+            if all(_completed(work) for work in entry[0]):
+                self._wait_sent(entry[0], entry[2], time.monotonic() + self.timeout)  # raises a stored error
+            else:
+                pending.append(entry)
+        state.sent = pending
+
+    def flush(self, action: Action | None = None) -> None:
+        """Post every queued send now (``action``: the one about to run, named if posting fails)."""
+        self._launch([], action)
+
+    def _launch(self, recv_ops: list[dist.P2POp], action: Action | None) -> list[dist.Work]:
         """Post queued sends and ``recv_ops`` in one batch; returns the receives' works."""
         state = self._state
         ops = state.queued + recv_ops
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        if state.sent:
+            self._release_delivered()
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:
+            sends = sorted({str(a) for _, a in state.queued_about})
+            peers = sorted(
+                {t.dst_rank for t, _ in state.queued_about} | {self._rank_of(op.peer) for op in recv_ops}
+            )
+            where = f"before action {action}" if action is not None else "at the end of the step"
+            ranks = ("ranks " if len(peers) > 1 else "rank ") + ", ".join(map(str, peers))
+            raise RuntimeError(
+                f"{self._who()}: failed posting, {where}, the messages of actions {sends} and {len(recv_ops)} "
+                f"receive(s), to/from {ranks} (did it crash?): {exc}"
+            ) from exc
         n_send = len(state.queued)
         if n_send:
             state.sent.append((works[:n_send], [op.tensor for op in state.queued], list(state.queued_about)))
@@ -246,10 +280,10 @@ class PipelineComm:
 
     # -- receiving ---------------------------------------------------------------------------------------
 
-    def prefetch(self, transfer: Transfer) -> None:
-        """Post receives up to ``transfer`` without blocking (no-op unless ``prefetch`` was enabled)."""
+    def prefetch(self, transfer: Transfer, action: Action) -> None:
+        """Post receives up to ``transfer`` (needed by ``action``) without blocking; a no-op unless enabled."""
         if self.prefetch_enabled:
-            self._advance(transfer, None, block=False)
+            self._advance(transfer, action, block=False)
 
     def receive(self, transfer: Transfer, action: Action) -> torch.Tensor:
         """Receive ``transfer`` for ``action`` (posting queued sends in the same batch) and return it.
@@ -288,7 +322,7 @@ class PipelineComm:
         posted: list[tuple[_Incoming, bool]] = []
 
         def post() -> None:
-            for (m, is_header), work in zip(posted, self._launch(ops)):
+            for (m, is_header), work in zip(posted, self._launch(ops, action)):
                 if is_header:
                     m.header_work = work
                 else:
@@ -310,7 +344,7 @@ class PipelineComm:
                     posted.append((msg, True))
                 # Posts queued sends too: never block while holding a message a peer may be waiting for.
                 post()
-                if not (block or msg.header_work.is_completed()):
+                if not (block or _completed(msg.header_work)):
                     break
                 what = (
                     f"the header of the {describe(spec)} (before action {action}) from rank {spec.src_rank}"
@@ -369,3 +403,11 @@ class PipelineComm:
     def _who(self) -> str:
         own = self._global[self.rank]
         return f"pipeline rank {self.rank}" + ("" if own == self.rank else f" (global rank {own})")
+
+
+def _completed(work: dist.Work) -> bool:
+    """Non-blocking completion check; a failed transfer counts as not done (the blocking wait reports it)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:  # the error is raised again, with context, by the blocking wait
+        return False

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from ..store import WgradBundle, capture_wgrad
 from .measure import ActivationMeter
 
-__all__ = ["StageExecutor"]
+__all__ = ["StageExecutor", "split_microbatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +180,22 @@ class StageExecutor:
         if self.meter is not None:
             self.meter.release(stage, mb)
         return ran
+
+
+def split_microbatches(value: Any, n_microbatches: int, what: str) -> list[Any]:
+    """``value`` as ``n_microbatches`` pieces: a tensor split along dim 0, or a sequence of that length."""
+    if value is None:
+        raise ValueError(f"PipelineRuntime.step: {what} are required on this rank")
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % n_microbatches:
+            raise ValueError(
+                f"PipelineRuntime.step: {what} of shape {tuple(value.shape)} cannot be split into "
+                f"{n_microbatches=} equal microbatches along dim 0"
+            )
+        return list(value.split(value.shape[0] // n_microbatches))
+    if isinstance(value, Sequence) and len(value) == n_microbatches:
+        return list(value)
+    raise ValueError(
+        f"PipelineRuntime.step: {what} must be a tensor or a sequence of {n_microbatches=} microbatches, got "
+        f"{type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, Sequence) else "")
+    )

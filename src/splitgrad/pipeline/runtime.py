@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from torch import nn
 from ..whole_model import ensure_no_pending_wgrad
 from .actions import Action, ActionKind, Schedule
 from .comm import PipelineComm
-from .executor import LossFn, StageExecutor
+from .executor import LossFn, StageExecutor, split_microbatches
 from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
 from .timeline import TimelineEvent
 from .validate import validate
@@ -294,11 +294,11 @@ class PipelineRuntime:
         if incoming is not None:
             received = self.comm.receive(incoming, action)
         elif self.comm is not None:
-            self.comm.flush()
+            self.comm.flush(action)
         if self.comm is not None and j + 1 < len(self.actions):
             ahead = self.schedule.recv_before(self.actions[j + 1])
             if ahead is not None:
-                self.comm.prefetch(ahead)
+                self.comm.prefetch(ahead, self.actions[j + 1])
         module = self.stages[stage]
         reduce_now = stage not in self.grad_sync or j in self._sync_points
         with self.recorder.action(action), contextlib.nullcontext() if reduce_now else module.no_sync():
@@ -318,9 +318,21 @@ class PipelineRuntime:
 
     # -- collectives around the step ---------------------------------------------------------------------
 
+    def _collective(self, start: Callable[[], dist.Work], what: str) -> None:
+        """Start an asynchronous collective of the pipeline group and wait for it, bounded like every wait."""
+        try:
+            work = start()
+        except Exception as exc:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: could not start {what} (did a rank crash?): {exc}"
+            ) from exc
+        self.comm.wait(work, what)
+
     def _barrier(self) -> None:
-        work = dist.barrier(group=self.pp_group, async_op=True)
-        self.comm.wait(work, "the other pipeline ranks to reach the step's start barrier")
+        self._collective(
+            lambda: dist.barrier(group=self.pp_group, async_op=True),
+            "the other pipeline ranks to reach the step's start barrier",
+        )
 
     def _step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
         mean = torch.stack(losses).to(torch.float64).mean().to(self.device) if losses else None
@@ -329,8 +341,10 @@ class PipelineRuntime:
         buf = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
         src = self.schedule.rank_of(self.last_stage)
         src_global = src if self.pp_group is None else dist.get_global_rank(self.pp_group, src)
-        work = dist.broadcast(buf, src=src_global, group=self.pp_group, async_op=True)
-        self.comm.wait(work, f"the step loss broadcast from rank {src}")
+        self._collective(
+            lambda: dist.broadcast(buf, src=src_global, group=self.pp_group, async_op=True),
+            f"the step loss broadcast from rank {src}",
+        )
         return buf
 
     def parameters(self) -> list[nn.Parameter]:
@@ -370,22 +384,3 @@ class PipelineRuntime:
         if prefix is not None:
             save_measured_timeline(events, self.schedule, prefix)
         return bubble_report(events, self.schedule)
-
-
-def split_microbatches(value: Any, n_microbatches: int, what: str) -> list[Any]:
-    """``value`` as ``n_microbatches`` pieces: a tensor split along dim 0, or a sequence of that length."""
-    if value is None:
-        raise ValueError(f"PipelineRuntime.step: {what} are required on this rank")
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] % n_microbatches:
-            raise ValueError(
-                f"PipelineRuntime.step: {what} of shape {tuple(value.shape)} cannot be split into "
-                f"{n_microbatches=} equal microbatches along dim 0"
-            )
-        return list(value.split(value.shape[0] // n_microbatches))
-    if isinstance(value, Sequence) and len(value) == n_microbatches:
-        return list(value)
-    raise ValueError(
-        f"PipelineRuntime.step: {what} must be a tensor or a sequence of {n_microbatches=} microbatches, got "
-        f"{type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, Sequence) else "")
-    )

@@ -153,6 +153,11 @@ class SplitgradPipelineStage(PipelineStage):
                 super().backward_one_chunk(
                     bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
                 )
+            except BaseException:
+                # A failed backward produced no usable W: drop its partial work so nothing is owed twice.
+                self._owed.pop(bwd_chunk_id, None)
+                bundle.discard()
+                raise
             finally:
                 self._open = None
         if bundle.pending and bwd_chunk_id not in self._owed:
@@ -280,8 +285,8 @@ def splitgrad_pipeline_stage(
 def _check_submodule(module: nn.Module, stage_index: int) -> None:
     if isinstance(module, (nn.parallel.DistributedDataParallel, FSDPModule)):
         raise ValueError(
-            f"stage {stage_index}: {type(module).__name__} computes gradient reductions from autograd hooks, which never see "
-            "splitgrad's deferred weight gradients; use splitgrad's data-parallel wrapper instead"
+            f"stage {stage_index}: {type(module).__name__} computes gradient reductions from autograd hooks, "
+            "which never see splitgrad's deferred weight gradients; use splitgrad's data-parallel wrapper instead"
         )
     split = list(split_modules(module))
     if not split:

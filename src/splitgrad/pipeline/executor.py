@@ -172,11 +172,7 @@ class StageExecutor:
         self.w_tasks += self._run_bundle(stage, mb, bundle)
 
     def _run_bundle(self, stage: int, mb: int, bundle: WgradBundle) -> int:
-        # Weight gradients are never differentiated. Without no_grad, an operand that is a view created inside
-        # backward (such views still require grad) would pull the gradient, and a data-parallel buffer written
-        # in place through main_grad, into an autograd graph.
-        with torch.no_grad():
-            ran = bundle.run()
+        ran = bundle.run()  # WgradTask.run computes under no_grad itself
         if self.meter is not None:
             self.meter.release(stage, mb)
         return ran

@@ -155,6 +155,8 @@ class WeightGradStore:
         self._queue: deque[WgradTask] = deque()
         # Tasks of this owner parked in capture bundles that have not run yet (still owed).
         self._captured = 0
+        # Tasks held by other mechanisms (graph replays), declared with owe()/settle().
+        self._owed = 0
         self._lock = threading.Lock()
 
     # TE-compatible switches.
@@ -220,13 +222,34 @@ class WeightGradStore:
         with self._lock:
             self._captured -= n
 
+    @property
+    def owed_elsewhere(self) -> int:
+        """Tasks owed by other holders (e.g. a graphed callable's pending wgrad replay); see :meth:`owe`."""
+        return self._owed
+
+    def owe(self, n: int = 1) -> None:
+        """Record ``n`` tasks of this owner held outside its queue and bundles (a captured wgrad graph
+        waiting for its replay), so :func:`splitgrad.ensure_no_pending_wgrad` and the optimizer guard see it."""
+        with self._lock:
+            self._owed += n
+
+    def settle(self, n: int = 1) -> None:
+        """The counterpart of :meth:`owe`, once the work ran (or was given up on purpose)."""
+        with self._lock:
+            if n > self._owed:
+                raise RuntimeError(
+                    f"{self.name}: settle({n}) but only {self._owed} task(s) are owed elsewhere"
+                )
+            self._owed -= n
+
     def __getstate__(self) -> dict:
         # deepcopy / pickle of a module copies its store: only an idle one (pending work cannot be copied
         # without running it twice or losing it). The lock is recreated, not copied.
-        if self._queue or self._captured:
+        if self._queue or self._captured or self._owed:
             raise RuntimeError(
                 f"cannot copy or pickle {self.name or 'WeightGradStore'} with pending wgrad work "
-                f"(pending={len(self._queue)}, in bundles={self._captured}); run backward_dw first"
+                f"(pending={len(self._queue)}, in bundles={self._captured}, elsewhere={self._owed}); "
+                "run backward_dw first"
             )
         return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_queue")}
 

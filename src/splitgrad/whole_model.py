@@ -59,13 +59,15 @@ def pending_wgrad(model: nn.Module) -> int:
 def ensure_no_pending_wgrad(model: nn.Module, *, what: str = "this point") -> None:
     """Raise ``RuntimeError`` listing every submodule whose weight gradient is still owed.
 
-    Owed means queued in its store or captured in a bundle that has neither run nor been discarded.
+    Owed means queued in its store, captured in a bundle that has neither run nor been discarded, or held
+    by a captured wgrad graph awaiting its replay (``WeightGradStore.owe``).
     """
-    owed = [
-        f"{name} (pending={len(m.wgrad_store)}, in bundles={m.wgrad_store.captured})"
-        for name, m in split_modules(model)
-        if len(m.wgrad_store) or m.wgrad_store.captured
-    ]
+    owed = []
+    for name, m in split_modules(model):
+        store = m.wgrad_store
+        if len(store) or store.captured or store.owed_elsewhere:
+            extra = f", in graphs={store.owed_elsewhere}" if store.owed_elsewhere else ""
+            owed.append(f"{name} (pending={len(store)}, in bundles={store.captured}{extra})")
     if owed:
         raise RuntimeError(
             f"weight-gradient work is still pending at {what}; its gradients would be lost or stale. "

@@ -173,7 +173,7 @@ class GraphedCallable:
             target.prepare(where)
         with torch.profiler.record_function(f"splitgrad.graphs.wgrad:{self.label}"):
             c.wgrad.replay()
-        self._pending_dw = False
+        self._settle_owed()
         for target in c.wgrad_targets:
             target.finish()
         for store in c.wgrad_hooks:
@@ -266,7 +266,16 @@ class GraphedCallable:
             target.finish()
         for store in c.backward_hooks:
             store.hooks.fire()
-        self._pending_dw = c.wgrad is not None
+        if c.wgrad is not None:
+            # Visible to splitgrad.ensure_no_pending_wgrad / guard_optimizer until backward_dw() replays it.
+            for store in c.wgrad_hooks:
+                store.owe()
+            self._pending_dw = True
+
+    def _settle_owed(self) -> None:
+        for store in self._captured.wgrad_hooks:
+            store.settle()
+        self._pending_dw = False
 
     def __del__(self) -> None:
         if getattr(self, "_pending_dw", False):
@@ -276,6 +285,8 @@ class GraphedCallable:
                 RuntimeWarning,
                 stacklevel=1,
             )
+            # Nothing can replay it any more: stop counting it (the warning is the loud part).
+            self._settle_owed()
 
     def __repr__(self) -> str:
         return (

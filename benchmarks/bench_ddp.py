@@ -101,9 +101,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, dict[str, list[float]]]
             loss(theirs).backward()
 
     def backward_dw(ddp: DistributedDataParallel) -> None:
-        # no_grad: the core runs wgrad tasks with grad mode on (reported); it must not build a graph.
-        with torch.no_grad():
-            splitgrad.backward_dw(ddp)
+        splitgrad.backward_dw(ddp)
 
     def our_compute(ddp: DistributedDataParallel) -> None:
         ddp.zero_grad_buffer()

@@ -2,91 +2,45 @@
 
 Each check builds fresh models, runs one scenario on every rank, and raises on a wrong result. ``run_checks``
 runs a list of them in one process group and returns ``{check: None | remote traceback}`` so that each check
-is reported as its own pytest test while the process start-up is paid once.
+is reported as its own pytest test while the process start-up is paid once. Gradient checks live here, misuse
+checks in :mod:`tests.parallel.ddp_error_checks`, models in :mod:`tests.parallel.ddp_models`.
 """
 
 from __future__ import annotations
 
-import datetime
-import re
-import time
 import traceback
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import splitgrad
-from splitgrad import ops
-from splitgrad.module import LayerNormLinear
 from splitgrad.parallel import DistributedDataParallel as DDP
 from splitgrad.testing import assert_grads_close, main_grads, plain_autograd_grads, shard
-
-F64 = torch.float64
-BATCH, D_IN, D_HID, D_OUT = 12, 8, 16, 4
-
-
-def run_w(model: nn.Module) -> int:
-    """``splitgrad.backward_dw`` under no_grad.
-
-    Workaround: the core's WgradTask.run computes with grad mode on, so a deferred ``.grad`` (and a fused
-    ``main_grad``) joins the activations' autograd graph; see the parallel area's report.
-    """
-    with torch.no_grad():
-        return splitgrad.backward_dw(model)
-
-
-def mixed_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
-    """splitgrad layers (Linear, LayerNormLinear) interleaved with plain torch layers."""
-    torch.manual_seed(seed)
-    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
-    return nn.Sequential(
-        splitgrad.Linear(D_IN, D_HID, **split),
-        nn.Tanh(),
-        nn.Linear(D_HID, D_HID, dtype=dtype),
-        LayerNormLinear(D_HID, D_HID, **split),
-        nn.LayerNorm(D_HID, dtype=dtype),
-        splitgrad.Linear(D_HID, D_OUT, bias=False, **split),
-    )
+from tests.parallel.ddp_error_checks import (
+    check_negative_local_grads_rejected,
+    check_pending_and_late_errors,
+    check_timeout_is_an_error,
+    check_unused_parameter_error,
+)
+from tests.parallel.ddp_models import (
+    BATCH,
+    D_OUT,
+    F64,
+    Routed,
+    Tied,
+    assert_same_on_all_ranks,
+    batch,
+    deep_model,
+    fusible_ops_model,
+    loss_of,
+    mixed_dtype_model,
+    mixed_model,
+    one_step,
+    reference,
+)
 
 
-def batch(step: int = 0, dtype: torch.dtype = F64, n: int = BATCH) -> torch.Tensor:
-    return torch.randn(n, D_IN, dtype=dtype, generator=torch.Generator().manual_seed(1000 + step))
-
-
-def loss_of(out: torch.Tensor) -> torch.Tensor:
-    return (out - 0.5).square().mean()
-
-
-def reference(
-    step: int = 0, model_fn: Callable[..., nn.Module] = mixed_model, **kw
-) -> dict[str, torch.Tensor]:
-    """Float64 full-batch plain-autograd gradient in one process."""
-    x = batch(step)
-    return plain_autograd_grads(model_fn(False, False, dtype=F64, **kw), lambda m: loss_of(m(x)))
-
-
-def assert_same_on_all_ranks(ddp: DDP) -> None:
-    """Every rank holds bit-identical averaged buffers (replicas cannot drift)."""
-    for buffer in ddp.grad_buffers:
-        gathered = [torch.empty_like(buffer.data) for _ in range(ddp.world_size)]
-        dist.all_gather(gathered, buffer.data)
-        for r, other in enumerate(gathered):
-            torch.testing.assert_close(
-                other, buffer.data, rtol=0, atol=0, msg=lambda m, r=r: f"rank {r}: {m}"
-            )
-
-
-def one_step(rank: int, world: int, delay: bool, fused: bool, **ddp_kw) -> tuple[nn.Module, DDP]:
-    model = mixed_model(delay, fused)
-    ddp = DDP(model, grad_reduce_dtype=None, bucket_size=ddp_kw.pop("bucket_size", 300), **ddp_kw)
-    loss_of(ddp(shard(batch(), rank, world))).backward()
-    run_w(ddp)
-    return model, ddp
-
-
-# -- checks -----------------------------------------------------------------------------------------------
 def check_matches_reference(rank: int, world: int) -> None:
     """Delayed/immediate x fused/unfused: averaged main_grad and .grad equal the float64 full-batch grads."""
     ref = reference()
@@ -126,23 +80,6 @@ def check_broadcast_params(rank: int, world: int) -> None:
     torch.testing.assert_close(model[0][0].weight, expected["0.0.weight"], rtol=0, atol=0)
 
 
-def check_negative_local_grads_rejected(rank: int, world: int) -> None:
-    """Not trivially passing: an unsynchronised (local-batch) gradient must fail the reference check."""
-    ref = reference()
-    model = mixed_model(True, False)
-    ddp = DDP(model, grad_reduce_dtype=None)
-    with ddp.no_sync():
-        loss_of(ddp(shard(batch(), rank, world))).backward()
-        run_w(ddp)
-    if ddp.launch_order:
-        raise AssertionError(f"no_sync launched buckets {ddp.launch_order}")
-    try:
-        assert_grads_close(main_grads(model), ref, what="local")
-    except AssertionError:
-        return
-    raise AssertionError("a local, unaveraged gradient passed the full-batch reference check")
-
-
 def check_overlap_off_and_sum_then_divide(rank: int, world: int) -> None:
     """overlap_grad_reduce=False issues everything in finish; average_in_collective=False gives the same bits."""
     ref = reference()
@@ -170,7 +107,7 @@ def check_matches_torch_ddp(rank: int, world: int) -> None:
         model = mixed_model(delay, fused, dtype=torch.float32)
         ddp = DDP(model, bucket_size=300)
         loss_of(ddp(x)).backward()
-        run_w(ddp)
+        splitgrad.backward_dw(ddp)
         ddp.finish_grad_sync()
         exact = (
             world == 2 and not fused
@@ -220,12 +157,6 @@ def check_no_sync_zero_bubble_order(rank: int, world: int) -> None:
         assert_grads_close(main_grads(model), ref, what=f"no_sync {fused=}")
 
 
-def deep_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
-    return nn.Sequential(*(splitgrad.Linear(D_IN, D_IN, **split) for _ in range(4)))
-
-
 def check_buckets_complete_out_of_order(rank: int, world: int) -> None:
     """W in registration order (the reverse of the layout): buckets complete back to front.
 
@@ -250,23 +181,6 @@ def check_buckets_complete_out_of_order(rank: int, world: int) -> None:
         raise AssertionError(f"collectives issued out of bucket order: {ddp.launch_order}")
     ddp.finish_grad_sync()
     assert_grads_close(main_grads(model), ref, what="out of order")
-
-
-class Tied(nn.Module):
-    """One splitgrad Linear applied twice and one plain Linear applied twice in the same forward."""
-
-    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.split = splitgrad.Linear(
-            D_IN, D_IN, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused, params_dtype=dtype
-        )
-        self.plain = nn.Linear(D_IN, D_IN, dtype=dtype)
-        self.head = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.split(self.plain(x)))
-        return self.head(self.split(self.plain(h)))
 
 
 def check_tied_modules(rank: int, world: int) -> None:
@@ -303,83 +217,9 @@ def check_two_forwards_one_backward(rank: int, world: int) -> None:
         ddp = DDP(model, grad_reduce_dtype=None, bucket_size=300)
         first, second = shard(x, rank, world).chunk(2)
         ((loss_of(ddp(first)) + loss_of(ddp(second))) / 2).backward()
-        run_w(ddp)
+        splitgrad.backward_dw(ddp)
         ddp.finish_grad_sync()
         assert_grads_close(main_grads(model), ref, what=f"joined forwards {delay=}")
-
-
-class WithUnused(nn.Module):
-    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.used = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
-        self.unused = splitgrad.Linear(D_IN, D_OUT, delay_wgrad_compute=delay, params_dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
-def check_unused_parameter_error(rank: int, world: int) -> None:
-    """An unused parameter is a clear error naming it; allow_unused_parameters reduces it as zeros."""
-    model = WithUnused(True, False)
-    ddp = DDP(model, grad_reduce_dtype=None)
-    loss_of(ddp(shard(batch(), rank, world))).backward()
-    run_w(ddp)
-    try:
-        ddp.finish_grad_sync()
-    except RuntimeError as exc:
-        named = set(re.findall(r"\b(\w+\.\w+) \(", str(exc)))
-        if named != {"unused.weight", "unused.bias"}:
-            raise AssertionError(f"error does not name exactly the unused parameters: {exc}") from exc
-    else:
-        raise AssertionError("finish_grad_sync() accepted a parameter that never got a gradient")
-    ddp.zero_grad_buffer()
-
-    x = batch()
-    ref = plain_autograd_grads(WithUnused(False, False).used, lambda m: loss_of(m(x)))
-    model = WithUnused(True, False)
-    ddp = DDP(model, grad_reduce_dtype=None, allow_unused_parameters=True)
-    loss_of(ddp(shard(x, rank, world))).backward()
-    run_w(ddp)
-    ddp.finish_grad_sync()
-    assert_grads_close(main_grads(model.used), ref, what="used layer")
-    if torch.count_nonzero(model.unused.weight.main_grad) or torch.count_nonzero(model.unused.bias.main_grad):
-        raise AssertionError("an unused parameter's averaged main_grad is not zero")
-
-
-def check_pending_and_late_errors(rank: int, world: int) -> None:
-    """Pending wgrad at finish, a forward while reductions run, finish inside no_sync: all clear errors."""
-    model = mixed_model(True, False)
-    ddp = DDP(model, grad_reduce_dtype=None)
-    loss_of(ddp(shard(batch(), rank, world))).backward()
-    _expect_error(ddp.finish_grad_sync, "pending")
-    run_w(ddp)
-    with ddp.no_sync():
-        _expect_error(ddp.finish_grad_sync, "no_sync")
-    _expect_error(lambda: ddp(batch()), "finish_grad_sync() before the next step")
-    ddp.finish_grad_sync()
-
-    # A backward that bypasses the wrapper right after finish would add to the exposed averages.
-    model = mixed_model(False, False)
-    ddp = DDP(model, grad_reduce_dtype=None)
-    x = shard(batch(), rank, world)
-    loss_of(ddp(x)).backward()
-    ddp.finish_grad_sync()
-    _expect_error(lambda: loss_of(ddp.module(x)).backward(), "arrived after finish_grad_sync()")
-    ddp.zero_grad_buffer()  # recovers: a clean step gives the reference again
-    loss_of(ddp(x)).backward()
-    ddp.finish_grad_sync()
-    assert_grads_close(main_grads(model), reference(), what="after recovery")
-
-
-def _expect_error(fn: Callable[[], object], needle: str) -> None:
-    try:
-        fn()
-    except RuntimeError as exc:
-        if needle not in str(exc):
-            raise AssertionError(f"error lacks {needle!r}: {exc}") from exc
-        return
-    raise AssertionError(f"expected a RuntimeError mentioning {needle!r}")
 
 
 def check_reduce_scatter(rank: int, world: int) -> None:
@@ -429,26 +269,13 @@ def check_training_loop_matches_torch_ddp(rank: int, world: int) -> None:
             else:
                 optimizer.zero_grad(set_to_none=zero == "optimizer")
             loss_of(ddp(shard(batch(step, torch.float32), rank, world))).backward()
-            run_w(ddp)
+            splitgrad.backward_dw(ddp)
             ddp.finish_grad_sync()
             optimizer.step()
         guard.remove()
         tol = {"rtol": 0.0, "atol": 0.0} if world == 2 and not fused else {"rtol": 1e-5, "atol": 1e-6}
         for (name, mine), theirs_p in zip(model.named_parameters(), theirs_model.parameters()):
             torch.testing.assert_close(mine, theirs_p, **tol, msg=lambda m, n=name, z=zero: f"{z}: {n}: {m}")
-
-
-class Routed(nn.Module):
-    """Two experts; ``route`` picks one per call (data-dependent routing, different on every rank)."""
-
-    def __init__(self, delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused, "params_dtype": dtype}
-        self.experts = nn.ModuleList(splitgrad.Linear(D_IN, D_OUT, **split) for _ in range(2))
-
-    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
-        return self.experts[route](x)
 
 
 def check_rank_dependent_usage(rank: int, world: int) -> None:
@@ -466,50 +293,12 @@ def check_rank_dependent_usage(rank: int, world: int) -> None:
         model = Routed(True, fused)
         ddp = DDP(model, grad_reduce_dtype=None, allow_unused_parameters=True, bucket_size=1)
         loss_of(ddp(shard(x, rank, world), route=rank % 2)).backward()
-        run_w(ddp)
+        splitgrad.backward_dw(ddp)
         ddp.finish_grad_sync()
         if ddp.last_launch_order != list(range(len(ddp.buckets))):
             raise AssertionError(f"launch order {ddp.last_launch_order}")
         assert_grads_close(main_grads(model), expected, what=f"routed {fused=}")
         assert_same_on_all_ranks(ddp)
-
-
-def check_timeout_is_an_error(rank: int, world: int) -> None:
-    """A rank that never issues its collective makes the peer raise within the timeout, not hang."""
-    short = dist.new_group(timeout=datetime.timedelta(seconds=4))
-    model = mixed_model(True, False)
-    ddp = DDP(model, process_group=short, grad_reduce_dtype=None, timeout=3.0)
-    if rank == 0:
-        loss_of(ddp(shard(batch(), rank, world))).backward()
-        run_w(ddp)
-        start = time.monotonic()
-        _expect_error(ddp.finish_grad_sync, "did not complete on rank 0")
-        elapsed = time.monotonic() - start
-        if elapsed > 10:
-            raise AssertionError(f"timeout took {elapsed:.1f} s")
-    dist.barrier()  # the default group is healthy; rank 1 waits here for rank 0's error
-
-
-class CastTo(nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype)
-
-
-def mixed_dtype_model(delay: bool, fused: bool, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    split = {"delay_wgrad_compute": delay, "fuse_wgrad_accumulation": fused}
-    return nn.Sequential(
-        CastTo(torch.bfloat16),
-        splitgrad.Linear(D_IN, D_HID, params_dtype=torch.bfloat16, **split),
-        CastTo(torch.float32),
-        nn.Linear(D_HID, D_HID),
-        CastTo(F64),
-        splitgrad.Linear(D_HID, D_OUT, params_dtype=F64, **split),
-    )
 
 
 def check_mixed_dtypes(rank: int, world: int) -> None:
@@ -524,7 +313,7 @@ def check_mixed_dtypes(rank: int, world: int) -> None:
         local = DDP(local_model)
         with local.no_sync():
             loss_of(local(x)).backward()
-            run_w(local)
+            splitgrad.backward_dw(local)
         mine = main_grads(local_model)
         expected = {}
         for name, g in mine.items():
@@ -536,7 +325,7 @@ def check_mixed_dtypes(rank: int, world: int) -> None:
         if sorted(str(b.dtype) for b in ddp.grad_buffers) != ["torch.float32", "torch.float64"]:
             raise AssertionError(f"buffers {ddp.grad_buffers}")
         loss_of(ddp(x)).backward()
-        run_w(ddp)
+        splitgrad.backward_dw(ddp)
         ddp.finish_grad_sync()
         got = main_grads(model)
         for name, g in got.items():
@@ -554,19 +343,9 @@ def check_mixed_dtypes(rank: int, world: int) -> None:
         for p in model.parameters():
             p.grad.zero_()
         loss_of(ddp(x)).backward()
-        run_w(ddp)
+        splitgrad.backward_dw(ddp)
         ddp.finish_grad_sync()
         assert_grads_close(main_grads(model), expected, rtol=1e-6, atol=1e-7, what=f"second step {delay=}")
-
-
-def fusible_ops_model(delay: bool, fused: bool, *, dtype: torch.dtype = F64, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    split = {"delay_wgrad_compute": delay, "accumulate_into_main_grad": fused, "dtype": dtype}
-    return nn.Sequential(
-        ops.Sequential(ops.Linear(D_IN, D_HID, **split), ops.GELU(), ops.Linear(D_HID, D_HID, **split)),
-        nn.Tanh(),
-        nn.Linear(D_HID, D_OUT, dtype=dtype),
-    )
 
 
 def check_fusible_ops(rank: int, world: int) -> None:
@@ -577,7 +356,7 @@ def check_fusible_ops(rank: int, world: int) -> None:
             model = fusible_ops_model(delay, fused)
             ddp = DDP(model, grad_reduce_dtype=None, bucket_size=100)
             loss_of(ddp(shard(batch(), rank, world))).backward()
-            run_w(ddp)
+            splitgrad.backward_dw(ddp)
             ddp.finish_grad_sync()
             if ddp.last_launched_early != len(ddp.buckets):
                 raise AssertionError(f"{delay=} {fused=}: not all buckets overlapped")
@@ -596,6 +375,8 @@ ALL_WORLDS = [
     check_training_loop_matches_torch_ddp,
     check_rank_dependent_usage,
 ]
+
+
 #: Two ranks are enough (and keep CI fast); the timeout check must stay last (it breaks its own group).
 WORLD2_ONLY = [
     check_broadcast_params,

@@ -81,6 +81,13 @@ class SplitModule(nn.Module):
         self._refresh_skip_backward_post_hook()
 
     # -- helpers for the autograd Functions -------------------------------------------------------------
+    def _check_last_dim(self, x: torch.Tensor, size: int, name: str) -> None:
+        """``ValueError`` naming the module unless ``x`` is ``(..., size)``."""
+        if x.dim() == 0 or x.shape[-1] != size:
+            raise ValueError(
+                f"{self._describe()}: input's last dimension must be {name}={size}, got input shape {tuple(x.shape)}"
+            )
+
     def _apply_function(self, function: type[torch.autograd.Function], *args: object) -> object:
         """``function.apply(*args)``, honouring ``torch.autocast``.
 

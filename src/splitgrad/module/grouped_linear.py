@@ -158,11 +158,7 @@ class GroupedLinear(SplitModule):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
-                f"got input shape {tuple(x.shape)}"
-            )
+        self._check_last_dim(x, self.in_features, "in_features")
         splits = [int(m) for m in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
         tokens = x.numel() // self.in_features
         if len(splits) != self.num_gemms or sum(splits) != tokens or min(splits) < 0:

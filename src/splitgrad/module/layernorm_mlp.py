@@ -168,11 +168,7 @@ class LayerNormMLP(SplitModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., hidden_size)`` -> ``(..., hidden_size)``."""
-        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"{self._describe()}: input's last dimension must be hidden_size={self.hidden_size}, "
-                f"got input shape {tuple(x.shape)}"
-            )
+        self._check_last_dim(x, self.hidden_size, "hidden_size")
         return self._apply_function(
             LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
             self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self,

@@ -101,11 +101,7 @@ class Linear(SplitModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` -> ``(..., out_features)``."""
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
-                f"got input shape {tuple(x.shape)}"
-            )
+        self._check_last_dim(x, self.in_features, "in_features")
         return self._apply_function(LinearFunction, x, self.weight, self.bias, self)
 
     def _deferred_parameters(self) -> list[nn.Parameter]:

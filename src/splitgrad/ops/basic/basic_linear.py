@@ -77,11 +77,7 @@ class BasicLinear(BasicOperation, SplitModule):
     # -- op contract ----------------------------------------------------------------------------------------
     def prepare_forward(self, ctx: OperationContext, x: torch.Tensor) -> None:
         """Validate ``x`` and save what :meth:`op_backward` needs (fused forwards call this too)."""
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
-                f"got input shape {tuple(x.shape)}"
-            )
+        self._check_last_dim(x, self.in_features, "in_features")
         # Decided at forward so that flipping the switch between forward and backward cannot mix modes.
         ctx.split = ctx.weight_requires_grad and self._splits_wgrad()
         if ctx.requires_grad:

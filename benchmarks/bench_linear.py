@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import splitgrad
-from _timing import interleaved_medians, print_table
+from _timing import CLOCKS, interleaved_medians, print_table
 from splitgrad.testing.memory import AllocationTracker
 
 
@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("--out-features", "--out", dest="out_features", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall", help="cpu: process time (use 1 thread)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -55,6 +58,7 @@ def main() -> None:
             "splitgrad delayed + fused main_grad": lambda: step(fused, True),
         },
         rounds=args.rounds,
+        clock=args.clock,
     )
 
     fused(x).backward(dy)
@@ -63,7 +67,8 @@ def main() -> None:
     weight_mib = fused.weight.numel() * fused.weight.element_size() / 2**20
     print(
         f"Linear {args.tokens} tokens x {args.in_features} -> {args.out_features}, fp32, "
-        f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds, torch {torch.__version__}"
+        f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} interleaved rounds, "
+        f"torch {torch.__version__}"
     )
     print_table("forward + backward (+ backward_dw)", medians, "torch.nn.Linear")
     print(

@@ -1,7 +1,7 @@
 """Pipeline schedules on 2 CPU ranks: splitgrad's runtime vs torch.distributed.pipelining, same model and data.
 
 Run: ``.venv/bin/python benchmarks/bench_pipeline.py [--quick]`` (defaults: 4 MLP blocks H=512, FFN 4H, 8
-microbatches of 1024 tokens, float32; 2 gloo ranks x 1 thread; a few minutes).
+microbatches of 1024 tokens, float32; 2 gloo ranks x 1 thread; about 6 minutes on 2 idle cores).
 
 Variants, each on 2-D activations ``(tokens, H)`` and again on 3-D ``(batch, seq, H)``:
 
@@ -10,22 +10,25 @@ Variants, each on 2-D activations ``(tokens, H)`` and again on 3-D ``(batch, seq
 * ``torch <ZB> + adapter``: the same PyTorch schedules on ``splitgrad.Linear(delay_wgrad_compute=True)``
   blocks through :func:`splitgrad.pipeline.torch_adapter.splitgrad_pipeline_stage` (W = splitgrad bundles);
 * ``splitgrad 1f1b`` / ``zb-h1`` / ``zbv``: splitgrad's own runtime on the splitgrad blocks;
-* ``reference``: the whole model on one rank, microbatch after microbatch (plain autograd), the other idle.
+* ``reference (1 process)``: the whole model on one rank, microbatch after microbatch (plain autograd), the
+  other rank idle.
 
 1F1B and zb-h1 cut the model into 2 stages of 2 blocks, the interleaved/V schedules into 4 stages of 1.
 
-What is measured (every variant in one 2-rank spawn, timed round-robin so machine drift hits all alike):
+What is measured, in two 2-rank spawns (every variant in each, run round-robin so drift hits all alike):
 
-* step time: barrier, step, barrier on every rank; the median over rounds. tokens/s = tokens per step / that.
-* efficiency = reference step time / (2 x step time) (1.0 = perfect 2-way pipelining of the same work).
-* step peak memory per rank: the highest resident set size sampled every 2 ms during the step minus the RSS
-  just before it (MiB). The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor above 64 KiB is
-  its own mapping, returned to the OS when freed: RSS then follows live tensors (activations, saved graph,
-  wgrad operands, gradients) instead of allocator high-water marks.
-* measured bubble: ``(span - compute) / span`` of the rank with the longest compute span, from per-action
-  timings (splitgrad's runtime timeline; PyTorch's stage calls wrapped), as ``splitgrad.pipeline.measure``.
-* a second table: median per-action times (F, B = input grad, W, BW = full backward) — the profile that
-  explains a gap between variants.
+* timing spawn (glibc's default allocator): step time = barrier, step, barrier on every rank, median over
+  rounds; tokens/s; efficiency = single-process reference / (2 x step time), as the issue defines it, and
+  again against ``reference, both ranks at once`` (each rank runs the whole single-process step at the same
+  time: the compute speed of two busy cores, so that column isolates bubble and transfers); measured
+  bubble ``(span - compute) / span`` of the longest-span rank from per-action timings (splitgrad's timeline;
+  PyTorch's stage calls wrapped), as ``splitgrad.pipeline.measure``; a profile table of per-action medians.
+* memory spawn (``MALLOC_MMAP_THRESHOLD_=65536``: every tensor above 64 KiB is its own mapping, returned to
+  the OS when freed, so the resident set follows live tensors; it slows allocation, hence the separate
+  spawn): step peak per rank = the highest RSS sampled every 2 ms during a step minus the RSS before it,
+  plus what the variant keeps from one step to the next (receive buffers, their gradients, caches: measured
+  around its first step, and shown as "held"). Also one microbatch through one stage in a single process:
+  what PyTorch's own I and splitgrad's B leave alive until W.
 """
 
 from __future__ import annotations
@@ -195,10 +198,10 @@ class SplitgradVariant:
 
 
 class ReferenceVariant:
-    """The whole model in one process (rank 0; rank 1 waits): the single-process compute of the same work."""
+    """The whole model in one process, microbatch after microbatch: on rank 0 only, or on both ranks at once."""
 
-    def __init__(self, cfg: BenchConfig, three_d: bool, *, rank: int) -> None:
-        self.model = nn.Sequential(*cut(cfg, False, 1)) if rank == 0 else None
+    def __init__(self, cfg: BenchConfig, three_d: bool, *, rank: int, both: bool = False) -> None:
+        self.model = nn.Sequential(*cut(cfg, False, 1)) if rank == 0 or both else None
         self.x, self.y = batch(cfg, three_d)
         self.m = cfg.n_microbatches
 
@@ -240,56 +243,63 @@ class RssSampler:
         self._stop.set()
 
 
+REF, REF2 = "reference (1 process)", "reference, both ranks at once"
+
+
 def build_variants(cfg: BenchConfig, rank: int) -> dict[str, object]:
     variants: dict[str, object] = {}
     for three_d in (False, True):
         tag = "3-D" if three_d else "2-D"
-        variants[f"{tag}|reference (1 process)"] = ReferenceVariant(cfg, three_d, rank=rank)
+        variants[f"{tag}|{REF}"] = ReferenceVariant(cfg, three_d, rank=rank)
+        variants[f"{tag}|{REF2}"] = ReferenceVariant(cfg, three_d, rank=rank, both=True)
         for name in TORCH_SCHEDULES:
             if not (three_d and name != "1F1B"):  # PyTorch's own split fails there: see native_attempt
                 variants[f"{tag}|torch {name}"] = TorchVariant(cfg, name, three_d, adapter=False, rank=rank)
         for name in TORCH_SCHEDULES[1:]:
-            variants[f"{tag}|torch {name} + adapter"] = TorchVariant(
-                cfg, name, three_d, adapter=True, rank=rank
-            )
+            key = f"{tag}|torch {name} + adapter"
+            variants[key] = TorchVariant(cfg, name, three_d, adapter=True, rank=rank)
         for name in SPLITGRAD_SCHEDULES:
             variants[f"{tag}|splitgrad {name}"] = SplitgradVariant(cfg, name, three_d, rank=rank)
     return variants
 
 
-def run_rank(rank: int, world: int, cfg_fields: dict) -> dict:
+def run_rank(rank: int, world: int, cfg_fields: dict, memory: bool) -> dict:
+    """Every variant, round-robin; ``memory``: sample RSS (1 measured step) instead of timing."""
     cfg = BenchConfig(**cfg_fields)
-    sampler = RssSampler()
-    held_b_to_w = b_to_w_memory(cfg) if rank == 0 else None
-    dist.barrier()
+    sampler = RssSampler() if memory else None
+    b_to_w = b_to_w_memory(cfg) if memory and rank == 0 else None
+    if memory:  # one-off lazy allocations (thread pools, BLAS buffers) must not count as a variant's "held"
+        ReferenceVariant(cfg, False, rank=rank, both=True).step()
     variants = build_variants(cfg, rank)
-    retained: dict[str, int] = {}
+    held: dict[str, int] = {}
     samples: dict[str, list[tuple]] = {k: [] for k in variants}
     try:
-        for round_no in range(cfg.warmup + cfg.rounds):
+        for round_no in range(cfg.warmup + (1 if memory else cfg.rounds)):
             for key, variant in variants.items():
                 variant.zero_grad()
                 dist.barrier()
-                base = sampler.reset()
+                base = sampler.reset() if sampler else 0
                 start = time.perf_counter()
                 events = variant.step()
                 dist.barrier()
                 elapsed = time.perf_counter() - start
-                if round_no == 0:
-                    # What the variant keeps from one step to the next (receive buffers, their gradients,
-                    # caches); a later step may free it first, so it is added to every step's peak.
+                if sampler and round_no == 0:
                     variant.zero_grad()
-                    retained[key] = max(sampler.rss() - base, 0)
+                    held[key] = max(sampler.rss() - base, 0)
+                if round_no < cfg.warmup:
+                    continue
+                if sampler:
+                    samples[key].append(max(sampler.peak - base, 0) + held[key])
+                    continue
                 merged = gather_events(events, dst=0)
-                if round_no >= cfg.warmup:
-                    peak = max(sampler.peak - base, 0) + retained[key]
-                    simulated = None
-                    if merged and isinstance(variant, SplitgradVariant):
-                        simulated = simulate_measured(merged, variant.schedule).bubble_ratio
-                    samples[key].append((elapsed, peak, merged, simulated))
+                simulated = None
+                if merged and isinstance(variant, SplitgradVariant):
+                    simulated = simulate_measured(merged, variant.schedule).bubble_ratio
+                samples[key].append((elapsed, merged, simulated))
     finally:
-        sampler.close()
-    return {"samples": samples, "retained": retained, "held_b_to_w": held_b_to_w}
+        if sampler:
+            sampler.close()
+    return {"samples": samples, "held": held, "b_to_w": b_to_w}
 
 
 def b_to_w_memory(cfg: BenchConfig) -> dict[str, float]:
@@ -348,118 +358,119 @@ def _rank_compute(events: list[TimelineEvent]) -> dict[int, float]:
 
 
 # -- report -----------------------------------------------------------------------------------------------------
-def summarize(cfg: BenchConfig, results: list[dict]) -> dict[str, dict]:
+def summarize(cfg: BenchConfig, timing: list[dict], memory: list[dict]) -> dict[str, dict]:
     rows: dict[str, dict] = {}
-    tokens = cfg.n_microbatches * cfg.tokens
-    for key, per_round in results[0]["samples"].items():
+    for key, per_round in timing[0]["samples"].items():
         step = statistics.median(s[0] for s in per_round)
-        peaks = [max(s[1] for s in r["samples"][key]) / 2**20 for r in results]
-        events = [e for s in per_round for e in (s[2] or [])]
-        bubbles = [measured_bubble_ratio(s[2]) for s in per_round if s[2]]
-        simulated = [s[3] for s in per_round if s[3] is not None]
-        busiest = [max(_rank_compute(s[2]).values()) for s in per_round if s[2]]
+        runs = [s[1] for s in per_round if s[1]]
+        events = [e for run in runs for e in run]
         kinds = {k: [(e.end - e.start) * 1e3 for e in events if e.kind == k] for k in ("F", "B", "W", "BW")}
+        backward: dict[int, list[float]] = {}
+        for e in events:
+            if e.kind in ("B", "BW"):
+                backward.setdefault(e.stage, []).append((e.end - e.start) * 1e3)
+        simulated = [s[2] for s in per_round if s[2] is not None]
         rows[key] = {
             "step": step,
-            "tok_s": tokens / step,
-            "peaks": peaks,
-            "bubble": statistics.median(bubbles) if bubbles else None,
+            "tok_s": cfg.n_microbatches * cfg.tokens / step,
+            "bubble": statistics.median(measured_bubble_ratio(run) for run in runs) if runs else None,
             "simulated": statistics.median(simulated) if simulated else None,
-            "compute": statistics.median(busiest) if busiest else None,
+            "compute": statistics.median(max(_rank_compute(run).values()) for run in runs) if runs else None,
             "kinds": {k: (statistics.median(v) if v else None) for k, v in kinds.items()},
-            "held": [r["retained"][key] / 2**20 for r in results],
+            "b_per_stage": [statistics.median(backward[st]) for st in sorted(backward)],
+            "peaks": [max(r["samples"][key]) / 2**20 for r in memory],
+            "held": [r["held"][key] / 2**20 for r in memory],
         }
     for key, row in rows.items():
-        ref = rows[key.split("|")[0] + "|reference (1 process)"]["step"]
-        row["eff"] = ref / (2 * row["step"])
+        tag = key.split("|")[0]
+        row["eff"] = rows[f"{tag}|{REF}"]["step"] / (2 * row["step"])
+        row["eff2"] = rows[f"{tag}|{REF2}"]["step"] / (2 * row["step"])
     return rows
 
 
+def _cells(values, fmt: str) -> str:
+    return " / ".join("-" if v is None else format(v, fmt) for v in values)
+
+
 def print_report(
-    cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], b_to_w: dict[str, float], load: list
+    cfg: BenchConfig, rows: dict[str, dict], native: dict[str, str], b_to_w: dict, load: list
 ) -> None:
     print(f"\nPipeline step, 2 gloo ranks x 1 thread: {asdict(cfg)}")
-    cores = os.cpu_count()
-    print(f"machine: {cores} cores; 1/5/15-min load average before / after: {load[0]} / {load[1]}\n")
-    head = "| act. | variant | median step (s) | tokens/s | efficiency | step peak MiB r0 / r1 | (held) | bubble |"
-    print(head)
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for key, r in rows.items():
-        tag, name = key.split("|")
-        bubble = "-" if r["bubble"] is None else f"{r['bubble']:.3f}"
-        eff = "(1 rank)" if name.startswith("reference") else f"{r['eff']:.3f}"
-        peaks = " / ".join(f"{p:.0f}" for p in r["peaks"])
-        held = " / ".join(f"{p:.0f}" for p in r["held"])
-        print(
-            f"| {tag} | {name} | {r['step']:.3f} | {r['tok_s']:,.0f} | {eff} | {peaks} | {held} | {bubble} |"
-        )
-    for name, outcome in native.items():
-        print(f"| 3-D | torch {name} | {outcome} | | | | | |")
     print(
-        "\n(held): of the step peak, MiB a variant keeps from one step to the next (receive buffers, caches)."
+        f"machine: {os.cpu_count()} cores; load average (1/5/15 min) before / after: {load[0]} / {load[1]}\n"
     )
     print(
-        "\nProfile: per-action medians (ms; B = input-gradient backward, BW = full backward); compute (s) of"
-    )
-    print(
-        "the busiest rank per step vs half the reference step (the ideal); bubble simulated at measured costs\n"
-    )
-    print(
-        "| act. | variant | F | B | W | BW | busiest-rank compute (s) | / (reference / 2) | simulated bubble |"
+        "| act. | variant | median step (s) | tokens/s | efficiency | eff. vs both-busy ref. | bubble "
+        "| step peak MiB r0 / r1 | (held) |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for key, r in rows.items():
-        if r["bubble"] is not None:
-            cells = " | ".join("-" if v is None else f"{v:.1f}" for v in r["kinds"].values())
-            half_ref = rows[key.split("|")[0] + "|reference (1 process)"]["step"] / 2
-            sim = "-" if r["simulated"] is None else f"{r['simulated']:.3f}"
-            print(
-                f"| {' | '.join(key.split('|'))} | {cells} | {r['compute']:.3f} | {r['compute'] / half_ref:.2f}"
-                f" | {sim} |"
-            )
+        tag, name = key.split("|")
+        effs = ("-", "-") if name.startswith("reference") else (f"{r['eff']:.3f}", f"{r['eff2']:.3f}")
+        print(
+            f"| {tag} | {name} | {r['step']:.3f} | {r['tok_s']:,.0f} | {effs[0]} | {effs[1]} "
+            f"| {_cells([r['bubble']], '.3f')} | {_cells(r['peaks'], '.0f')} | {_cells(r['held'], '.0f')} |"
+        )
+    for name, outcome in native.items():
+        print(f"| 3-D | torch {name} | {outcome} | | | | | | |")
     print(
-        f"\nOne microbatch through one {cfg.n_blocks // 2}-block stage, single process (MiB above the start):\n"
+        "\nProfile: per-action medians (ms); B or BW per stage (ms); compute of the busiest rank per step vs"
     )
-    print("| | after F | after B / I (held until W) |")
-    print("|---|---:|---:|")
+    print(
+        "half the single-process reference; splitgrad's schedules simulated at the measured per-stage costs\n"
+    )
+    print(
+        "| act. | variant | F | B | W | BW | B or BW per stage | busiest-rank compute (s) | / (ref. / 2) "
+        "| simulated bubble |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for key, r in rows.items():
+        if r["compute"] is None:
+            continue
+        half = rows[key.split("|")[0] + f"|{REF}"]["step"] / 2
+        kinds = " | ".join(_cells([v], ".1f") for v in r["kinds"].values())
+        print(
+            f"| {' | '.join(key.split('|'))} | {kinds} | {_cells(r['b_per_stage'], '.0f')} | {r['compute']:.3f} "
+            f"| {r['compute'] / half:.2f} | {_cells([r['simulated']], '.3f')} |"
+        )
+    print(
+        f"\nOne microbatch through one {cfg.n_blocks // 2}-block stage, one process (MiB above the start)\n"
+    )
+    print("| | after F | after B / I (alive until W) |\n|---|---:|---:|")
     for name in ("torch I", "splitgrad B"):
         print(f"| {name} | {b_to_w[name + ' after F']:.1f} | {b_to_w[name + ' after B']:.1f} |")
-    ratio = b_to_w["splitgrad B after B"] / b_to_w["torch I after B"]
     print("\nTargets")
-    print(f"- memory held from B to W, splitgrad / PyTorch: {ratio:.2f} (target < 1)")
+    print(
+        f"- alive from B to W, splitgrad / PyTorch: {b_to_w['splitgrad B after B'] / b_to_w['torch I after B']:.2f}"
+    )
     for tag in ("2-D", "3-D"):
-
-        def row(name: str, tag: str = tag) -> dict:
-            return rows[f"{tag}|{name}"]
-
-        zb_tp = max(
-            (row(n)["tok_s"] for n in ("torch InterleavedZB", "torch ZBV") if f"{tag}|{n}" in rows),
-            default=None,
-        )
+        row = {k.split("|")[1]: v for k, v in rows.items() if k.startswith(tag)}
+        zb = [row[n]["tok_s"] for n in ("torch InterleavedZB", "torch ZBV") if n in row]
         for name in ("splitgrad zb-h1", "splitgrad zbv"):
-            vs = f", throughput / best torch ZB = {row(name)['tok_s'] / zb_tp:.3f}" if zb_tp else ""
-            print(f"- {tag} {name}: efficiency {row(name)['eff']:.3f} (target >= 0.95){vs}")
-        bubble = row("splitgrad zb-h1")["bubble"] / row("splitgrad 1f1b")["bubble"]
-        print(f"- {tag} measured bubble splitgrad zb-h1 / 1f1b = {bubble:.3f} (target <= 0.4)")
-        pairs = [(f"splitgrad {n}", f"torch {t}") for n, t in (("1f1b", "1F1B"), ("zbv", "ZBV"))]
+            vs = f"; throughput / best torch ZB {row[name]['tok_s'] / max(zb):.3f}" if zb else ""
+            print(
+                f"- {tag} {name}: efficiency {row[name]['eff']:.3f} (>= 0.95?), vs both-busy reference "
+                f"{row[name]['eff2']:.3f}{vs}"
+            )
+        bubble = row["splitgrad zb-h1"]["bubble"] / row["splitgrad 1f1b"]["bubble"]
+        print(f"- {tag} measured bubble splitgrad zb-h1 / 1f1b: {bubble:.3f} (<= 0.4?)")
+        pairs = [("splitgrad 1f1b", "torch 1F1B"), ("splitgrad zbv", "torch ZBV")]
         pairs += [(f"torch {t} + adapter", f"torch {t}") for t in ("InterleavedZB", "ZBV")]
         for ours, theirs in pairs:
-            if f"{tag}|{theirs}" in rows:
-                ratio = " / ".join(f"{a / b:.2f}" for a, b in zip(row(ours)["peaks"], row(theirs)["peaks"]))
+            if theirs in row:
+                ratio = _cells([a / b for a, b in zip(row[ours]["peaks"], row[theirs]["peaks"])], ".2f")
                 print(f"- {tag} step peak memory {ours} / {theirs}, r0 / r1: {ratio}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds of compute)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole 2-rank run")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per variant")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per 2-rank spawn")
     args = parser.parse_args()
-    quick = dict(hidden=64, ffn=256, tokens=128, seq=32, rounds=2, warmup=1)
-    cfg = BenchConfig(**(quick if args.quick else {}))
+    cfg = BenchConfig(**(dict(hidden=64, ffn=256, tokens=128, seq=32, rounds=2) if args.quick else {}))
     if args.rounds is not None:
         cfg.rounds = args.rounds
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the ranks' malloc at start (see the docstring)
     native: dict[str, str] = {}
     for name in TORCH_SCHEDULES[1:]:
         try:
@@ -470,11 +481,13 @@ def main() -> None:
             native[name] = (
                 f"fails: {DETACH_BUG}" if DETACH_BUG in text else f"fails: {exc.failures[0].message[:80]}"
             )
-    load_before = tuple(round(v, 1) for v in os.getloadavg())
-    results = spawn(run_rank, 2, asdict(cfg), timeout=args.timeout, pg_timeout=600)
-    load_after = tuple(round(v, 1) for v in os.getloadavg())
-    rows = summarize(cfg, results)
-    print_report(cfg, rows, native, results[0]["held_b_to_w"], [load_before, load_after])
+    load = [tuple(round(v, 1) for v in os.getloadavg())]
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    timing = spawn(run_rank, 2, asdict(cfg), False, timeout=args.timeout, pg_timeout=600)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the ranks' malloc at start-up
+    memory = spawn(run_rank, 2, asdict(cfg), True, timeout=args.timeout, pg_timeout=600)
+    load.append(tuple(round(v, 1) for v in os.getloadavg()))
+    print_report(cfg, summarize(cfg, timing, memory), native, memory[0]["b_to_w"], load)
 
 
 if __name__ == "__main__":

@@ -238,8 +238,8 @@ class SplitgradPipelineStage(PipelineStage):
         bundle = self._owed.pop(microbatch, None)
         if bundle is None:
             raise RuntimeError(f"{self.log_prefix} the W of microbatch {microbatch} already ran")
-        # no_grad: the weight gradients must not join an autograd graph (the schedule runs W with grad on).
-        with torch.profiler.record_function(f"splitgrad.W:{self.stage_index}W{microbatch}"), torch.no_grad():
+        # The bundle's tasks compute under no_grad themselves (the schedule runs W with grad mode on).
+        with torch.profiler.record_function(f"splitgrad.W:{self.stage_index}W{microbatch}"):
             bundle.run()
 
 

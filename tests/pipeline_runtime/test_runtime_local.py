@@ -285,3 +285,26 @@ def test_runtime_names_are_exported_lazily():
     assert {"PipelineRuntime", "StepResult", "build_runtime", "pipeline_groups"} <= set(pipeline.__all__)
     with pytest.raises(AttributeError):
         pipeline.NoSuchName  # noqa: B018
+
+
+def test_activation_meter_keeps_only_the_wgrad_operands_between_b_and_w():
+    """After B only the bundle's operands stay alive (the GELU's saved input is freed with the graph)."""
+    import splitgrad
+    from splitgrad.pipeline.measure import ActivationMeter
+
+    block = torch.nn.Sequential(
+        splitgrad.Linear(16, 32, delay_wgrad_compute=True), torch.nn.GELU(), torch.nn.Linear(32, 16)
+    )
+    meter = ActivationMeter()
+    x = torch.randn(8, 16, requires_grad=True)
+    with meter.forward(0, 0, exclude=list(block.parameters())):
+        y = block(x)
+    after_forward = meter.current
+    with splitgrad.capture_wgrad() as bundle:
+        y.backward(torch.randn_like(y))
+    meter.hold(0, 0, bundle.saved_bytes())
+    assert 0 < meter.current == bundle.saved_bytes() < after_forward
+    assert meter.peak == after_forward
+    bundle.run()
+    meter.release(0, 0)
+    assert meter.current == 0

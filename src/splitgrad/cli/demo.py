@@ -35,13 +35,13 @@ class DemoConfig:
     """Pipeline ranks (processes). Schedules with two stages per rank (zbv) cut the model into 2 x ranks."""
     microbatches: int = 8
     """Microbatches per step."""
-    steps: int = 30
+    steps: int = 40
     """Optimizer steps per schedule."""
     batch_size: int = 32
     """Sequences per step (split into ``microbatches``)."""
-    seq_len: int = 64
+    seq_len: int = 128
     """Characters per sequence."""
-    hidden_size: int = 128
+    hidden_size: int = 256
     """Model width."""
     num_layers: int = 4
     """Transformer blocks."""

@@ -160,6 +160,8 @@ class StageExecutor:
             self._run_bundle(stage, mb, bundle)
         else:
             self._bundles[(stage, mb)] = bundle
+            if self.meter is not None:
+                self.meter.hold(stage, mb, bundle.saved_bytes())
         if stage == 0:
             return None
         return x.grad if x.grad is not None else torch.zeros_like(x)

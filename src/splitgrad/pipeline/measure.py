@@ -207,12 +207,12 @@ def save_measured_timeline(
 class ActivationMeter:
     """Bytes of activations autograd saves in forwards, held until that microbatch's last backward action.
 
-    The simulator's memory model: an activation is allocated by ``F(s, i)`` and freed by ``W(s, i)`` (or
-    ``BW(s, i)``). The count is the storage bytes autograd saved during the forward (each storage once), so
-    it is an upper bound of what is held between ``B`` and ``W`` (``B`` frees the graph; only the wgrad
-    operands stay). Parameters are not counted.
+    ``F(s, i)`` adds the storage bytes autograd saved during the forward (each storage once; parameters
+    excluded). ``B(s, i)`` frees the graph: what stays until ``W(s, i)`` is exactly the wgrad operands parked in
+    the microbatch's bundle (:meth:`splitgrad.WgradBundle.saved_bytes`), so :meth:`hold` replaces the forward's
+    count by that; ``W`` (or ``BW``) releases the rest.
 
-    Use :meth:`forward` around a forward, :meth:`release` after the microbatch's ``W``/``BW``.
+    Use :meth:`forward` around a forward, :meth:`hold` after a ``B``, :meth:`release` after ``W``/``BW``.
     """
 
     def __init__(self) -> None:
@@ -244,6 +244,11 @@ class ActivationMeter:
         self.live[(stage, microbatch)] = total
         self.current += total
         self.peak = max(self.peak, self.current)
+
+    def hold(self, stage: int, microbatch: int, nbytes: int) -> None:
+        """After ``B``: the microbatch now keeps only ``nbytes`` (its bundle's operands) until ``W``."""
+        self.current += nbytes - self.live.get((stage, microbatch), 0)
+        self.live[(stage, microbatch)] = nbytes
 
     def release(self, stage: int, microbatch: int) -> None:
         self.current -= self.live.pop((stage, microbatch), 0)

@@ -51,8 +51,8 @@ class StepResult:
     events: list[TimelineEvent] = field(default_factory=list)
     """This rank's measured events (seconds since the step's common origin); empty when not recording."""
     peak_activation_bytes: int | None = None
-    """With ``track_memory``: peak bytes autograd saved in this rank's forwards and not yet released by the
-    microbatch's ``W``/``BW`` (the simulator's memory model; an upper bound of what ``B``-to-``W`` holds)."""
+    """With ``track_memory``: peak activation bytes this rank held: what autograd saved in each forward until
+    its ``B``, then exactly the wgrad operands parked for its ``W`` (see :class:`~.measure.ActivationMeter`)."""
     duration: float = 0.0
     """Seconds from the step origin until this rank's sends were delivered and its data-parallel reductions
     finished (the loss broadcast not included)."""

@@ -47,7 +47,7 @@ class DemoConfig:
     """Transformer blocks."""
     num_heads: int = 4
     """Attention heads."""
-    lr: float = 3e-3
+    lr: float = 1e-3
     """AdamW learning rate."""
     max_chars: int = 400_000
     """Characters of standard-library source to read."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -306,7 +307,8 @@ def save_png(
     ax.set_yticklabels([f"rank {r}" for r in range(rows)], fontsize=8 if rows <= 16 else 5)
     ax.set_xlabel(time_label)
     if title:
-        ax.set_title(title, fontsize=10)
+        # Wrap to the axes width (~10 px per character at 10 pt) so long measured titles stay readable.
+        ax.set_title(textwrap.fill(title, max(40, int(width_in * dpi * 0.8 / 10))), fontsize=10)
     kinds = [k for k in COMPUTE_KINDS if any(e.kind == k for e in compute)]
     handles = [Patch(facecolor=_COLOURS[k], edgecolor="black", label=k) for k in kinds]
     if side:

@@ -215,3 +215,20 @@ def test_user_defined_op_and_misaligned_gradients() -> None:
     op.op_backward = lambda ctx, dy: (dy, [])  # forgets the parameter's gradient
     with pytest.raises(RuntimeError, match=r"returned 0 parameter gradient\(s\), expected 1"):
         run_module(seq, x, dy)
+
+
+@pytest.mark.parametrize("lead", [(2,), ()])
+def test_rmsnorm_over_several_trailing_dims_matches_torch(lead):
+    """ops.RMSNorm flattens the normalised dims onto the module's RMSNorm; check that against F.rms_norm."""
+    torch.manual_seed(0)
+    op = ops.RMSNorm((3, 4), dtype=torch.float64)
+    with torch.no_grad():
+        op.weight.uniform_(0.5, 1.5)
+    x = torch.randn(*lead, 3, 4, dtype=torch.float64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    wr = op.weight.detach().clone().requires_grad_()
+    dy = torch.randn(*lead, 3, 4, dtype=torch.float64)
+    ops.Sequential(op)(x).backward(dy)
+    torch.nn.functional.rms_norm(xr, (3, 4), wr, op.eps).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(op.weight.grad, wr.grad, rtol=1e-12, atol=1e-12)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...module._norm import norm_backward, norm_forward
 from ..op import BasicOperation, OperationContext, ParamGrads
 from .layer_norm import check_normalized_input, normalized_shape_tuple
 
@@ -14,9 +15,9 @@ __all__ = ["RMSNorm"]
 class RMSNorm(BasicOperation):
     """Root-mean-square normalisation over the trailing ``normalized_shape`` dimensions, scaled by ``weight``.
 
-    The forward uses ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs) where torch has it, else the same
-    arithmetic written out; the backward is written out (ATen's ``_fused_rms_norm_backward`` has no CPU
-    kernel), computing in the statistics' dtype (fp32 for half inputs). Its gradient is never deferred.
+    Runs :mod:`splitgrad.module._norm`'s RMSNorm (the one ``LayerNormLinear``/``LayerNormMLP`` use) over the
+    flattened trailing dimensions: ATen's ``_fused_rms_norm`` forward where torch has it, and a written-out
+    backward in the statistics' dtype (fp32 for half inputs). Its gradient is never deferred.
 
     Args:
         normalized_shape: trailing dimensions to normalise.
@@ -42,39 +43,22 @@ class RMSNorm(BasicOperation):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(self.normalized_shape, dtype=dtype, device=device))
 
-    def _dims(self) -> list[int]:
-        return list(range(-len(self.normalized_shape), 0))
-
     def op_forward(self, ctx: OperationContext, x: torch.Tensor) -> torch.Tensor:
         check_normalized_input(self, x, self.normalized_shape)
-        fused = getattr(torch.ops.aten, "_fused_rms_norm", None)
-        if fused is not None:
-            y, rstd = fused(x, list(self.normalized_shape), self.weight, self.eps)
-        else:  # torch < 2.8
-            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-            rstd = torch.rsqrt(xf.pow(2).mean(self._dims(), keepdim=True).add_(self.eps))
-            y = (xf * rstd).type_as(x) * self.weight
+        # The module's RMSNorm over the flattened trailing dimensions: one implementation for both APIs.
+        x2 = x.reshape(-1, self.weight.numel())
+        y, (rstd,) = norm_forward(x2, self.weight.reshape(-1), None, normalization="RMSNorm", eps=self.eps)
         if ctx.requires_grad:
-            ctx.save_for_backward(x, rstd, self.weight)
-        return y
+            ctx.save_for_backward(x2, rstd, self.weight)
+        return y.view(x.shape)
 
     def op_backward(self, ctx: OperationContext, dy: torch.Tensor) -> tuple[torch.Tensor | None, ParamGrads]:
-        x, rstd, weight = ctx.saved_tensors
-        want_x, want_w = ctx.input_requires_grad, ctx.weight_requires_grad
-        # y = xhat * w, xhat = x * rstd  =>  dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w.
-        dims = self._dims()
-        xhat = x.to(rstd.dtype) * rstd
-        dyc = dy.to(rstd.dtype)
-        lead = list(range(x.dim() - len(dims)))
-        dw = None
-        if want_w:
-            # sum over no dimension would reduce everything; an unbatched input keeps the product as is.
-            dw = ((dyc * xhat).sum(lead) if lead else dyc * xhat).to(weight.dtype)
-        dx = None
-        if want_x:
-            g = dyc * weight.to(rstd.dtype)
-            dx = (rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))).to(x.dtype)
-        return dx, [dw]
+        x2, rstd, weight = ctx.saved_tensors
+        dx, dw, _ = norm_backward(
+            dy.reshape(x2.shape), x2, (rstd,), weight.reshape(-1), None,
+            normalization="RMSNorm", output_mask=(ctx.input_requires_grad, ctx.weight_requires_grad, False),
+        )  # fmt: skip
+        return (None if dx is None else dx.view(dy.shape)), [None if dw is None else dw.view(weight.shape)]
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from .memory import AllocationTracker
 from .reference import assert_grads_close, main_grads, make_plain, plain_autograd_grads, shard
 from .spawn import RankFailure, SpawnError, SpawnTimeoutError, spawn
 
 __all__ = [
+    "AllocationTracker",
     "RankFailure",
     "SpawnError",
     "SpawnTimeoutError",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitgrad.pipeline import build_schedule, build_runtime, simulate
+from splitgrad.pipeline import build_runtime, build_schedule, simulate
 from splitgrad.pipeline.schedules import zb_auto
 
 

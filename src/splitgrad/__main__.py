@@ -22,13 +22,21 @@ _COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; returns the process exit code."""
+    """Parse ``argv`` and run the chosen command; returns the process exit code.
+
+    Usage mistakes exit 2 (argparse's ``error:`` line, raised as ``SystemExit``); Ctrl-C returns 130.
+    """
     parser = argparse.ArgumentParser(prog="splitgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name in _COMMANDS.values():
         importlib.import_module(module_name).add_parser(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C is how people stop a long run: one line and the shell's conventional 128 + SIGINT.
+        print(f"\nsplitgrad {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

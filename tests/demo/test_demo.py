@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.__main__ import main
-from splitgrad.cli._demo_worker import stages_for
-from splitgrad.cli.demo import DemoConfig
+from splitgrad.cli.demo import DemoConfig, stages_for
 
 
 @pytest.mark.distributed

@@ -118,7 +118,9 @@ def test_rejects_wrong_answer():
 @pytest.mark.parametrize("splits", [[3, 0, 5], [3, 0, 5, 1], [3, -1, 5, 3]], ids=str)
 def test_bad_m_splits_are_named(splits):
     module = splitgrad.module.GroupedLinear(4, 8, 5)
-    with pytest.raises(ValueError, match=r"m_splits must be 4 non-negative sizes summing to the 10"):
+    with pytest.raises(
+        ValueError, match=r"m_splits must be 4 non-negative ints summing to the 10 input rows"
+    ):
         module(torch.randn(10, 8), splits)
 
 

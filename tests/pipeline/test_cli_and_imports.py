@@ -88,6 +88,7 @@ def _top_level_imports(path: Path) -> set[str]:
 SCHEDULE_LAYER = [
     "pipeline/__init__.py",
     "pipeline/actions.py",
+    "pipeline/_coerce.py",
     "pipeline/_engine.py",
     "pipeline/_perf.py",
     "pipeline/simulate.py",

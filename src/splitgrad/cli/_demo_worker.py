@@ -18,22 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stages
-from ..pipeline import build_runtime, build_schedule
+from ..pipeline import build_runtime
 from ..whole_model import guard_optimizer
-from .demo import DemoConfig
+from .demo import DemoConfig, stages_for
 
 __all__ = ["stages_for", "train_all"]
 
 logger = logging.getLogger(__name__)
-
-
-def stages_for(schedule: str, ranks: int, microbatches: int) -> int:
-    """Total model stages that put ``schedule`` on ``ranks`` ranks (e.g. zbv holds two stages per rank)."""
-    probe = build_schedule(schedule, ranks, microbatches)
-    if probe.n_ranks == ranks:
-        return ranks
-    per_rank = ranks // probe.n_ranks
-    return ranks * per_rank
 
 
 def _max_rss_mib() -> float:

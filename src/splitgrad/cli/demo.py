@@ -18,11 +18,27 @@ Launch:
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from typing import Any
 
-__all__ = ["DemoConfig", "add_parser", "run"]
+from ._demo_checks import (
+    check_config,
+    check_out_dir,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    schedule_list,
+    stages_for,
+    stages_per_rank,
+)
+
+__all__ = ["DemoConfig", "add_parser", "check_config", "run", "stages_for", "stages_per_rank"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,7 +48,8 @@ class DemoConfig:
     schedules: tuple[str, ...] = ("1f1b", "zb-h1")
     """Schedules to train with, one after the other, from the same initial weights."""
     ranks: int = 2
-    """Pipeline ranks (processes). Schedules with two stages per rank (zbv) cut the model into 2 x ranks."""
+    """Pipeline ranks (processes). Schedules with two stages per rank (zbv, dualpipev, interleaved-1f1b) cut
+    the model into 2 x ranks stages, so they need ``num_layers >= 2 * ranks``."""
     microbatches: int = 8
     """Microbatches per step."""
     steps: int = 40
@@ -65,20 +82,30 @@ class DemoConfig:
             "ranks": self.ranks >= 1,
             "microbatches": self.microbatches >= 1,
             "steps": self.steps >= 1,
-            "batch_size": self.batch_size >= self.microbatches and self.batch_size % self.microbatches == 0,
+            # Checked only with a usable divisor: microbatches=0 is reported above, not as a ZeroDivisionError.
+            "batch_size": self.microbatches < 1
+            or (self.batch_size >= self.microbatches and self.batch_size % self.microbatches == 0),
+            "seq_len": self.seq_len >= 1,
+            "hidden_size": self.hidden_size >= 1,
             "num_layers": self.num_layers >= 1,
+            "num_heads": self.num_heads >= 1,
             "lr": self.lr > 0,
+            "max_chars": self.max_chars >= 1,
             "threads": self.threads >= 1,
             "timeout": self.timeout > 0,
+            "seed": self.seed >= 0,
             "schedules": len(self.schedules) >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
+            hint = " (batch_size must be a positive multiple of microbatches)" if "batch_size" in bad else ""
             raise ValueError(
-                f"demo: invalid {', '.join(bad)}: "
-                + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
-                + " (batch_size must be a positive multiple of microbatches)"
+                "demo: invalid " + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad) + hint
             )
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,47 +113,83 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="train a small GPT on 2 pipeline ranks, 1f1b vs zero-bubble (the main job)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     defaults = DemoConfig()
-    parser.add_argument("--schedules", default=",".join(defaults.schedules), help="comma-separated names")
-    for name, help_text in (
-        ("ranks", "pipeline ranks (local processes, or the torchrun world size)"),
-        ("microbatches", "microbatches per step"),
-        ("steps", "optimizer steps per schedule"),
-        ("batch-size", "sequences per step"),
-        ("seq-len", "characters per sequence"),
-        ("hidden-size", "model width"),
-        ("num-layers", "transformer blocks"),
-        ("num-heads", "attention heads"),
-        ("max-chars", "characters of stdlib source to read"),
-        ("threads", "torch threads per rank"),
-        ("seed", "seed of weights and batches"),
+    parser.add_argument(
+        "--schedules",
+        type=schedule_list,
+        default=",".join(defaults.schedules),  # a string default goes through type= too
+        help="comma-separated schedule names, trained one after the other",
+    )
+    for name, kind, help_text in (
+        (
+            "ranks",
+            positive_int,
+            "pipeline ranks (local processes, or the torchrun world size); zbv, "
+            "dualpipev and interleaved-1f1b put 2 stages on each",
+        ),
+        ("microbatches", positive_int, "microbatches per step"),
+        ("steps", positive_int, "optimizer steps per schedule"),
+        ("batch-size", positive_int, "sequences per step (a multiple of --microbatches)"),
+        ("seq-len", positive_int, "characters per sequence"),
+        ("hidden-size", positive_int, "model width"),
+        ("num-layers", positive_int, "transformer blocks (at least one per pipeline stage)"),
+        ("num-heads", positive_int, "attention heads (must divide --hidden-size)"),
+        ("max-chars", positive_int, "characters of stdlib source to read"),
+        ("threads", positive_int, "torch threads per rank"),
+        ("seed", non_negative_int, "seed of weights and batches"),
     ):
         parser.add_argument(
-            f"--{name}", type=int, default=getattr(defaults, name.replace("-", "_")), help=help_text
+            f"--{name}", type=kind, default=getattr(defaults, name.replace("-", "_")), help=help_text
         )
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
-    parser.add_argument("--timeout", type=float, default=defaults.timeout, help="seconds to wait for a peer")
+    parser.add_argument("--lr", type=positive_float, default=defaults.lr, help="AdamW learning rate")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=defaults.timeout, help="seconds to wait for a peer"
+    )
     parser.add_argument("--out", default=defaults.out, help="output folder")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, usage_error=parser.error)
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     fields = {k: v for k, v in vars(args).items() if k in DemoConfig.__dataclass_fields__}
-    fields["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    if isinstance(args.schedules, str):  # a Namespace built by hand rather than by the parser
+        fields["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     return DemoConfig(**fields)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m splitgrad demo`` (spawns local ranks, or joins a torchrun job)."""
-    from ._demo_worker import train_all
+    """Entry point of ``python -m splitgrad demo`` (spawns local ranks, or joins a torchrun job).
 
-    cfg = config_from_args(args)
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(cfg, train_all)
+    Every user mistake is reported before any rank starts, as one ``error:`` line with exit code 2; Ctrl-C
+    stops the ranks and exits with 130.
+    """
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        cfg = config_from_args(args)
+        if under_torchrun and cfg.ranks != int(os.environ["WORLD_SIZE"]):
+            cfg = DemoConfig(**(asdict(cfg) | {"ranks": int(os.environ["WORLD_SIZE"])}))
+        check_config(cfg)
+        check_out_dir(cfg.out)
+    except ValueError as exc:
+        return _usage_error(args, str(exc))
+    try:
+        return _run_under_torchrun(cfg) if under_torchrun else _spawn_local(cfg)
+    except KeyboardInterrupt:
+        # _spawn_local has killed the local ranks; under torchrun the launcher stops the others.
+        print("\nsplitgrad demo: interrupted, ranks stopped", file=sys.stderr, flush=True)
+        return 130
 
+
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    error = getattr(args, "usage_error", None)
+    if error is not None:
+        error(message)  # argparse's: usage, then "splitgrad demo: error: ...", exit 2
+    print(f"splitgrad demo: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _spawn_local(cfg: DemoConfig) -> int:
     import torch
 
     from ..testing.spawn import spawn
@@ -138,26 +201,75 @@ def run(args: argparse.Namespace) -> int:
     )
     budget = cfg.timeout * (4 + cfg.steps) * len(cfg.schedules)  # whole run; each wait is bounded separately
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.ranks else "gloo"
-    results = spawn(
-        train_all, cfg.ranks, asdict(cfg),
-        timeout=budget, pg_timeout=cfg.timeout, threads=cfg.threads, backend=backend,
-    )  # fmt: skip
-    return int(results[0])
+    outcome: dict[str, Any] = {}
+
+    def launch() -> None:
+        try:
+            outcome["results"] = spawn(
+                _local_rank, cfg.ranks, asdict(cfg),
+                timeout=budget, pg_timeout=cfg.timeout, threads=cfg.threads, backend=backend,
+            )  # fmt: skip
+        except BaseException as exc:  # handed to the main thread
+            outcome["error"] = exc
+
+    # Ctrl-C in a terminal signals every process of the group. The ranks must ignore it from their first
+    # instruction (an interrupted import prints a traceback), so they are started while SIGINT is ignored
+    # (a disposition children inherit), on a thread; the main thread handles Ctrl-C and kills them.
+    launcher = threading.Thread(target=launch, name="splitgrad-demo-spawn", daemon=True)
+    _start_with_sigint_ignored(launcher, cfg.ranks)
+    try:
+        while launcher.is_alive():
+            launcher.join(0.1)
+    except KeyboardInterrupt:
+        for child in multiprocessing.active_children():
+            if child.name.startswith("splitgrad-rank"):
+                child.kill()
+        launcher.join(timeout=30)  # spawn() notices the dead ranks and removes its files
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return int(outcome["results"][0])
 
 
-def _run_under_torchrun(cfg: DemoConfig, train_all) -> int:
+def _start_with_sigint_ignored(launcher: threading.Thread, ranks: int) -> None:
+    """Start ``launcher`` and return once it has started ``ranks`` processes (or ended), SIGINT ignored."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        launcher.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        launcher.start()
+        deadline = time.monotonic() + 60.0
+        while launcher.is_alive() and time.monotonic() < deadline:
+            started = [c for c in multiprocessing.active_children() if c.name.startswith("splitgrad-rank")]
+            if len(started) >= ranks:
+                break
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _local_rank(rank: int, world_size: int, cfg_fields: dict[str, Any]) -> int:
+    """A locally spawned rank (SIGINT stays ignored even if it started outside the launch window above)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from ._demo_worker import train_all
+
+    return train_all(rank, world_size, cfg_fields)
+
+
+def _run_under_torchrun(cfg: DemoConfig) -> int:
     import datetime
 
     import torch
     import torch.distributed as dist
+
+    from ._demo_worker import train_all
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
     try:
-        if dist.get_world_size() != cfg.ranks:
-            cfg = DemoConfig(**(asdict(cfg) | {"ranks": dist.get_world_size()}))
         torch.set_num_threads(cfg.threads)
         return int(train_all(dist.get_rank(), dist.get_world_size(), asdict(cfg)))
     finally:

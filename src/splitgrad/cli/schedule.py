@@ -10,7 +10,9 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser", "parse_costs", "run"]
@@ -49,7 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--comm", type=float, default=0.0, help="transfer latency between ranks")
     parser.add_argument("--ascii", action="store_true", help="print the simulated timeline as a grid")
     parser.add_argument("--text", action="store_true", help="print the schedule's text form")
-    parser.add_argument("--png", help="write a Gantt chart PNG here (needs matplotlib)")
+    parser.add_argument(
+        "--png", help="write a Gantt chart PNG here ('.png' appended when missing; needs matplotlib)"
+    )
     parser.add_argument("--trace", help="write a Chrome-trace / Perfetto JSON here")
     parser.set_defaults(func=run)
     return parser
@@ -68,11 +72,36 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def output_path(flag: str, text: str | None, suffix: str | None = None) -> Path | None:
+    """The file ``--png``/``--trace`` will write, checked before any work: its folder must exist and be
+    writable, and it must not be a folder. ``suffix`` is appended when missing (matplotlib would add
+    ``.png`` itself, and the path reported must be the file written).
+
+    Raises:
+        ValueError: naming the flag and the path.
+    """
+    if text is None:
+        return None
+    path = Path(text)
+    if suffix is not None and path.suffix.lower() != suffix:
+        path = path.with_name(path.name + suffix)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"{flag} {text}: is a folder, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {text}: {path} is not writable")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (0 ok, 1 invalid schedule, 2 bad arguments)."""
     from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate, write_chrome_trace
 
     try:
+        png = output_path("--png", args.png, ".png")
+        trace = output_path("--trace", args.trace)
         schedule = build_schedule(args.name, args.stages, args.microbatches, **_options(args))
         validate(schedule)
         result = simulate(schedule, args.f, args.b, args.w, args.comm)
@@ -99,12 +128,15 @@ def run(args: argparse.Namespace) -> int:
         print(schedule.to_text(), end="")
     if args.ascii:
         print(result.to_ascii())
-    if args.trace:
-        print(f"wrote {write_chrome_trace(result.events(), args.trace)}")
-    if args.png:
-        try:
-            print(f"wrote {result.save_png(args.png)}")
-        except ImportError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    try:
+        if trace is not None:
+            print(f"wrote {write_chrome_trace(result.events(), trace)}")
+        if png is not None:
+            print(f"wrote {result.save_png(png)}")
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # checked above, but the file system can still refuse (full disk, races)
+        print(f"error: could not write {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0

@@ -15,14 +15,21 @@ from torch import nn
 
 import splitgrad
 
+from ._demo_checks import positive_int
+
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("split", help="show the dgrad/wgrad split on one process (no pipeline)")
-    parser.add_argument("--steps", type=int, default=5, help="training steps per run")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the MLP")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step")
+    parser = subparsers.add_parser(
+        "split",
+        help="show the dgrad/wgrad split on one process (no pipeline)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    # A bad count is argparse's one-line error (exit 2), not a traceback from inside torch.
+    parser.add_argument("--steps", type=positive_int, default=5, help="training steps per run")
+    parser.add_argument("--hidden", type=positive_int, default=1024, help="hidden size of the MLP")
+    parser.add_argument("--tokens", type=positive_int, default=2048, help="tokens per step")
     parser.set_defaults(func=run)
 
 

@@ -38,6 +38,15 @@ class SplitModule(nn.Module):
         self.wgrad_store = WeightGradStore(delay_wgrad_compute, name=type(self).__name__)
         self._refresh_skip_backward_post_hook()
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SplitModule:
+        result = super()._apply(fn, recurse)
+        # to_empty() from "meta" (deferred initialisation) and conversions torch cannot do in place swap in new
+        # Parameter objects: announce skip_backward_post_hook on them too, or a data-parallel wrapper would
+        # also count the gradients the module writes itself.
+        if getattr(self, "wgrad_store", None) is not None:
+            self._refresh_skip_backward_post_hook()
+        return result
+
     # -- what subclasses declare ------------------------------------------------------------------------
     def _deferred_parameters(self) -> list[nn.Parameter]:
         """Every parameter whose gradient this module writes itself when splitting (frozen ones included)."""
@@ -96,8 +105,11 @@ class SplitModule(nn.Module):
         off — the same casts autocast would make for ``F.linear``. Gradients written by the module are cast
         back to each parameter's dtype (``accumulate_grad``), or reduced in ``main_grad``'s precision.
         """
-        device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-        if not torch.is_autocast_enabled(device_type):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self._check_same_device(tensors[0], tensors[1:])
+        device_type = tensors[0].device.type
+        # "meta" (deferred initialisation, FSDP2) has no autocast state to query; nothing to cast there.
+        if device_type == "meta" or not torch.is_autocast_enabled(device_type):
             return function.apply(*args)
         dtype = torch.get_autocast_dtype(device_type)
         cast = tuple(
@@ -105,6 +117,16 @@ class SplitModule(nn.Module):
         )
         with torch.autocast(device_type, enabled=False):
             return function.apply(*cast)
+
+    def _check_same_device(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        """``RuntimeError`` naming the module and both devices unless every tensor of ``params`` is on ``x``'s."""
+        for p in params:
+            if p.device != x.device:
+                name = next((n for n, q in self.named_parameters() if q is p), "a parameter")
+                raise RuntimeError(
+                    f"{self._describe()}: input is on device {x.device} but {name} is on device {p.device}; "
+                    f"move the input or the module (module.to({str(x.device)!r})) so they match"
+                )
 
     def _splits_wgrad(self) -> bool:
         """Whether backward hands the wgrad to :meth:`_finish_wgrad` instead of returning it to autograd."""

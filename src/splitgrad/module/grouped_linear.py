@@ -10,6 +10,7 @@ from torch.autograd.function import once_differentiable
 
 from ._base import SplitModule
 from ._layers import linear_init_, write_linear_wgrad
+from ._split_sizes import check_split_sizes
 from ._wgrad import bias_wgrad
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction"]
@@ -149,7 +150,10 @@ class GroupedLinear(SplitModule):
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` with rows grouped by ``m_splits`` -> ``(..., out_features)``.
 
-        ``m_splits`` may be a list of ints or a 1-D integer tensor (read once on the host).
+        ``m_splits`` may be a sequence of ints or a 1-D integer tensor (read once on the host); floats
+        (even integral ones), bools, nested or 2-D sizes raise ``ValueError`` showing the values, as does a
+        length other than ``num_gemms`` or a sum other than the number of rows. An input on another device
+        than the weights raises ``RuntimeError`` naming both devices. Works on the ``"meta"`` device.
         """
         splits = self._check_splits(x, m_splits)
         params = [*self.weights, *(self.biases if self.use_bias else ())]
@@ -159,14 +163,9 @@ class GroupedLinear(SplitModule):
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
         self._check_last_dim(x, self.in_features, "in_features")
-        splits = [int(m) for m in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
-        tokens = x.numel() // self.in_features
-        if len(splits) != self.num_gemms or sum(splits) != tokens or min(splits) < 0:
-            raise ValueError(
-                f"{self._describe()}: m_splits must be {self.num_gemms} non-negative sizes summing to the "
-                f"{tokens} input rows, got {splits=} (len={len(splits)}, sum={sum(splits)})"
-            )
-        return splits
+        return check_split_sizes(
+            self._describe(), "m_splits", m_splits, self.num_gemms, x.numel() // self.in_features
+        )
 
     def _deferred_parameters(self) -> list[nn.Parameter]:
         # Registration order (weight0, bias0, weight1, ...), the order named_parameters() reports.

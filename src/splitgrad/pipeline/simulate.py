@@ -18,7 +18,6 @@ layers, so compare those counts scaled by the stage size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -26,6 +25,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+from ._coerce import as_cost, as_costs
 from ._engine import run_engine
 from ._perf import gc_paused
 from .actions import ActionKind, Schedule
@@ -42,18 +42,15 @@ def stage_costs(value: Costs, n_stages: int, what: str) -> tuple[float, ...]:
     """Expand ``value`` to one finite non-negative float per stage.
 
     Raises:
-        ValueError: wrong length, negative, or not finite; the message names ``what``.
+        ValueError: wrong length, negative, not finite, or not a real number (numpy scalars are fine); the
+            message names ``what``.
     """
-    if isinstance(value, int | float):
-        costs = (float(value),) * n_stages
-    else:
-        costs = tuple(float(v) for v in value)
-        if len(costs) != n_stages:
-            raise ValueError(f"{what} needs one cost per stage: got {len(costs)} values for {n_stages=}")
-    bad = [c for c in costs if not math.isfinite(c) or c < 0]
-    if bad:
-        raise ValueError(f"{what} costs must be finite and >= 0, got {bad}")
-    return costs
+    value = as_costs(f"{what} costs", value)
+    if isinstance(value, float):
+        return (value,) * n_stages
+    if len(value) != n_stages:
+        raise ValueError(f"{what} needs one cost per stage: got {len(value)} values for {n_stages=}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,12 +156,11 @@ def simulate(
 
     Raises:
         ScheduleError: the schedule is invalid (see :func:`splitgrad.pipeline.validate`).
-        ValueError: bad costs.
+        ValueError: bad costs (bools, NaN/inf, negatives, non-numbers; numpy scalars are accepted).
     """
     n = schedule.n_stages
     fc, bc, wc = stage_costs(f, n, "f"), stage_costs(b, n, "b"), stage_costs(w, n, "w")
-    if not math.isfinite(comm) or comm < 0:
-        raise ValueError(f"comm must be finite and >= 0, got {comm=}")
+    comm = as_cost("comm", comm)
     from .validate import check_structure, validate
 
     check_structure(schedule)

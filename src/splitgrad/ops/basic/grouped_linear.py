@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...module._base import SplitModule
+from ...module._split_sizes import check_split_sizes
 from ...module._wgrad import accumulate_grad, bias_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
 from ._wgrad import weight_grad, write_weight_grad
@@ -21,28 +22,12 @@ def as_split_sizes(
 ) -> list[int]:
     """``split_sizes`` (ints or an integer tensor) as a validated list of ``num_groups`` sizes summing to ``tokens``.
 
+    Floats (even integral ones), bools, nested or 2-D sizes are refused, never truncated.
+
     Raises:
         ValueError: naming ``op`` and the offending sizes.
     """
-    if isinstance(split_sizes, torch.Tensor):
-        if split_sizes.dtype.is_floating_point or split_sizes.dtype.is_complex or split_sizes.dim() != 1:
-            raise ValueError(
-                f"{op._describe()}: split_sizes tensor must be 1-D integer, got dtype={split_sizes.dtype} "
-                f"shape={tuple(split_sizes.shape)}"
-            )
-        sizes = [
-            int(s) for s in split_sizes.tolist()
-        ]  # one device sync, as TE's grouped GEMM needs host sizes
-    else:
-        sizes = list(split_sizes)
-        if any(not isinstance(s, int) or isinstance(s, bool) for s in sizes):
-            raise ValueError(f"{op._describe()}: split_sizes must be ints, got {split_sizes=}")
-    if len(sizes) != num_groups or any(s < 0 for s in sizes) or sum(sizes) != tokens:
-        raise ValueError(
-            f"{op._describe()}: split_sizes must be {num_groups} non-negative ints summing to the token count "
-            f"{tokens}, got {sizes=}"
-        )
-    return sizes
+    return check_split_sizes(op._describe(), "split_sizes", split_sizes, num_groups, tokens)
 
 
 class GroupedLinear(BasicOperation, SplitModule):
@@ -133,6 +118,7 @@ class GroupedLinear(BasicOperation, SplitModule):
                 f"{self._describe()}: input's last dimension must be in_features={self.in_features}, "
                 f"got input shape {tuple(x.shape)}"
             )
+        self._check_same_device(x, self.op_parameters())
         x2 = x.reshape(-1, self.in_features)
         sizes = as_split_sizes(self, split_sizes, self.num_groups, x2.shape[0])
         ctx.sizes = sizes

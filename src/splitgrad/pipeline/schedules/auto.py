@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .._coerce import as_counts
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
 from ..simulate import Costs, SimulationResult, simulate, stage_costs
@@ -43,8 +44,9 @@ _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 def _memory_limits(memory_limit: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
     if memory_limit is None:
         return (p,) * p
-    limits = (memory_limit,) * p if isinstance(memory_limit, int) else tuple(memory_limit)
-    if len(limits) != p or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in limits):
+    value = as_counts("zb-auto: memory_limit", memory_limit)  # numpy / integral-float counts become ints
+    limits = (value,) * p if isinstance(value, int) else value
+    if len(limits) != p:
         raise ValueError(
             f"zb-auto: memory_limit must be an int >= 1 or one per rank ({p} ranks), got {memory_limit=}"
         )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
+from .._coerce import normalize_schedule_args
 from ..actions import Schedule
 from .auto import zb_auto
 from .dualpipev import dualpipev
@@ -66,9 +67,17 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
         **options: family options: ``split_backward`` (gpipe, 1f1b, interleaved-1f1b), ``stages_per_rank``
             (interleaved-1f1b), ``f``/``b``/``w``/``comm``/``memory_limit`` (zb-auto).
 
+    Counts (``n_stages``, ``n_microbatches``, ``stages_per_rank``, ``memory_limit``, ``warmup``) may be any
+    integral number (``8``, ``numpy.int64(8)``, ``8.0``); costs any finite real number (``numpy.float32``).
+
     Raises:
-        ValueError: unknown name or option, or counts the family cannot schedule.
+        ValueError: unknown name or option, a bool, fractional, non-finite or negative number (naming the
+            argument and its value), or counts the family cannot schedule.
     """
+    if not isinstance(name, str):
+        raise ValueError(
+            f"schedule name must be a string, got {name!r}; choose one of {', '.join(SCHEDULES)}"
+        )
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
@@ -78,4 +87,5 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
         raise ValueError(
             f"schedule {key!r} does not take option(s) {unknown}; it accepts {list(accepted) or 'no options'}"
         )
+    n_stages, n_microbatches, options = normalize_schedule_args(key, n_stages, n_microbatches, options)
     return SCHEDULES[key](n_stages, n_microbatches, **options)

@@ -7,8 +7,9 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .convert import convert
-from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
 from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
 from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
 from .whole_model import (
@@ -20,18 +21,37 @@ from .whole_model import (
     split_modules,
 )
 
+if TYPE_CHECKING:  # type checkers and IDEs see the lazy names below as ordinary imports
+    from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
+
 __version__ = "0.1.0"
 
-# Subpackages load on first use, so `import splitgrad` stays light (no torch.distributed, no matplotlib).
+# Subpackages load on first use, so `import splitgrad` stays light: only the core and the modules load, and
+# none of the subpackages (tests/core/test_lazy_imports.py checks it in a fresh interpreter). torch itself
+# imports torch.distributed and numpy (when installed), so those cannot be avoided here.
 _SUBPACKAGES = ("graphs", "models", "ops", "parallel", "pipeline", "testing")
+# Top-level names that live in a subpackage, resolved (and cached) on first access.
+_LAZY_NAMES = {
+    "GraphCaptureError": "graphs",
+    "GraphedCallable": "graphs",
+    "make_graphed_callables": "graphs",
+}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
+    import importlib
+
     if name in _SUBPACKAGES:
-        import importlib
-
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBPACKAGES) | set(_LAZY_NAMES))
 
 
 __all__ = [

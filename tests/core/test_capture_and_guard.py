@@ -180,12 +180,6 @@ def test_copy_and_pickle_of_idle_modules_only():
     copy.deepcopy(clone)
 
 
-def test_subpackages_load_lazily():
-    assert splitgrad.ops.Sequential is not None
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        splitgrad.nope  # noqa: B018
-
-
 def test_wgrad_runs_without_recording_autograd_history():
     """Saved operands can be views of tensors requiring grad; W must not attach a grad_fn to the gradients."""
     for fused in (False, True):

@@ -76,8 +76,11 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
             )
     out = Path(cfg.out)
     report = runtime.timeline_report(result, out / f"timeline_{schedule}")  # the last step's timeline
-    per_rank = [None] * cfg.ranks
-    dist.all_gather_object(per_rank, {"activation_mib": peak_act / 2**20, "max_rss_mib": _max_rss_mib()})
+    # A tensor collective, not all_gather_object: that one needs numpy, which a plain `pip install` lacks.
+    mine = torch.tensor([peak_act / 2**20, _max_rss_mib()], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(cfg.ranks)]
+    dist.all_gather(gathered, mine)
+    per_rank = [{"activation_mib": float(t[0]), "max_rss_mib": float(t[1])} for t in gathered]
     # Steady state: skip the first steps (allocator warm-up, first-touch of buffers).
     steady = durations[min(3, len(durations) - 1) :]
     return {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import pickle
 import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -85,15 +86,40 @@ def gather_events(
     Returns:
         All events sorted by start time on ``dst``; None on the other ranks.
     """
-    rank = dist.get_rank(group)
-    size = dist.get_world_size(group)
-    gathered: list[list[tuple] | None] | None = [None] * size if rank == dst else None
-    dst_global = dst if group is None else dist.get_global_rank(group, dst)
-    dist.gather_object([tuple(e) for e in events], gathered, dst=dst_global, group=group)
+    gathered = _gather_pickled([tuple(e) for e in events], group=group, dst=dst)
     if gathered is None:
         return None
-    merged = [TimelineEvent(*e) for part in gathered for e in (part or ())]
+    merged = [TimelineEvent(*e) for part in gathered for e in part]
     return sorted(merged, key=lambda e: (e.start, e.rank))
+
+
+def _gather_pickled(obj: object, *, group: dist.ProcessGroup | None, dst: int) -> list | None:
+    """``dist.gather_object`` without numpy: torch's version calls ``Tensor.numpy()``, which raises
+    "Numpy is not available" in an environment with only torch installed.
+
+    Returns:
+        One unpickled object per group rank on group rank ``dst``; None elsewhere.
+    """
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    dst_global = dst if group is None else dist.get_global_rank(group, dst)
+    # NCCL moves CUDA tensors only; every other backend here takes CPU tensors.
+    on_nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    buffers = [torch.empty_like(padded) for _ in range(size)] if rank == dst else None
+    dist.gather(padded, buffers, dst=dst_global, group=group)
+    if buffers is None:
+        return None
+    return [
+        pickle.loads(bytes(buf[: int(n.item())].cpu().tolist()))
+        for buf, n in zip(buffers, lengths, strict=True)
+    ]
 
 
 def _spans(events: Iterable[TimelineEvent]) -> dict[int, tuple[float, float, float]]:

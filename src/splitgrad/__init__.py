@@ -8,10 +8,8 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 from __future__ import annotations
 
 from .convert import convert
-from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
-from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
-from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
-from .whole_model import (
+from .core.store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
+from .core.whole_model import (
     backward_dw,
     ensure_no_pending_wgrad,
     guard_optimizer,
@@ -19,6 +17,8 @@ from .whole_model import (
     set_delay_wgrad_compute,
     split_modules,
 )
+from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
+from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
 
 __version__ = "0.1.0"
 

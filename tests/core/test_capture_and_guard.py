@@ -152,9 +152,10 @@ def test_error_captures_exited_out_of_order():
     inner_bundle = inner.__enter__()
     with pytest.raises(RuntimeError, match="reverse order"):
         outer.__exit__(None, None, None)
-    assert splitgrad.store.active_bundle() is inner_bundle  # the misused block is gone, the open one stays
+    # The misused block is gone, the open one stays.
+    assert splitgrad.core.store.active_bundle() is inner_bundle
     inner.__exit__(None, None, None)
-    assert splitgrad.store.active_bundle() is None
+    assert splitgrad.core.store.active_bundle() is None
 
 
 def test_store_clear_is_loud_and_counts():

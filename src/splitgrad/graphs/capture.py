@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..store import WeightGradStore, WgradBundle, capture_wgrad
-from ..whole_model import split_modules
+from ..core.store import WeightGradStore, WgradBundle, capture_wgrad
+from ..core.whole_model import split_modules
 from .backend import GraphBackend, GraphCaptureError
 from .graphed import CapturedGraphs, GraphedCallable
 from .targets import GradTarget, muted_hooks

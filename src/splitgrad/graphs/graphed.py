@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..store import WeightGradStore
+from ..core.store import WeightGradStore
 from .backend import Graph
 from .targets import GradTarget
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._wgrad import bias_wgrad
+from ..core.split_module import SplitModule
+from ..functional.linear import linear_init_, write_linear_wgrad
+from ..functional.wgrad import bias_wgrad
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction"]
 

@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
-from ._wgrad import bias_wgrad, linear_wgrad
+from ..core.split_module import SplitModule
+from ..functional.linear import linear_init_, write_linear_wgrad
+from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.wgrad import bias_wgrad, linear_wgrad
 
 __all__ = ["LayerNormLinear", "LayerNormLinearFunction"]
 

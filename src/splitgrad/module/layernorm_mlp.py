@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._activations import activation_backward, activation_forward, check_activation, is_gated
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
-from ._wgrad import bias_wgrad
+from ..core.split_module import SplitModule
+from ..functional.activations import activation_backward, activation_forward, check_activation, is_gated
+from ..functional.linear import linear_init_, write_linear_wgrad
+from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.wgrad import bias_wgrad
 
 __all__ = ["LayerNormMLP", "LayerNormMLPFunction"]
 

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._wgrad import linear_wgrad
+from ..core.split_module import SplitModule
+from ..functional.linear import linear_init_, write_linear_wgrad
+from ..functional.wgrad import linear_wgrad
 
 __all__ = ["Linear", "LinearFunction"]
 

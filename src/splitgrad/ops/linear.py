@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..store import WeightGradStore
+from ..core.store import WeightGradStore
 from .basic.basic_linear import BasicLinear
 from .basic.bias import Bias
 from .op import BasicOperation, FusibleOperation

@@ -64,8 +64,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from ..store import WgradBundle, capture_wgrad
-from ..whole_model import split_modules
+from ..core.store import WgradBundle, capture_wgrad
+from ..core.whole_model import split_modules
 
 __all__ = ["SplitgradPipelineStage", "splitgrad_pipeline_stage"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...module._wgrad import accumulate_grad, linear_wgrad, linear_wgrad_into_main_grad
+from ...functional.wgrad import accumulate_grad, linear_wgrad, linear_wgrad_into_main_grad
 
 __all__ = ["weight_grad", "write_weight_grad"]
 

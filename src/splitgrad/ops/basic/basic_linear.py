@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...module._base import SplitModule
+from ...core.split_module import SplitModule
 from ..op import BasicOperation, OperationContext, ParamGrads
 from ._wgrad import weight_grad, write_weight_grad
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ...module._base import SplitModule
-from ...module._wgrad import accumulate_grad, bias_wgrad
+from ...core.split_module import SplitModule
+from ...functional.wgrad import accumulate_grad, bias_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
 from ._wgrad import weight_grad, write_weight_grad
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ._wgrad import accumulate_grad, bias_wgrad, linear_wgrad, linear_wgrad_into_main_grad
+from .wgrad import accumulate_grad, bias_wgrad, linear_wgrad, linear_wgrad_into_main_grad
 
 __all__ = ["linear_init_", "write_linear_wgrad"]
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..store import WeightGradStore, WgradTask
+from .store import WeightGradStore, WgradTask
 
 __all__ = ["SplitModule"]
 

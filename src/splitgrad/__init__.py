@@ -8,17 +8,26 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 from __future__ import annotations
 
 from .convert import convert
-from .core.store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
-from .core.whole_model import (
+from .core import (
+    SplitCapable,
+    SplitModule,
+    WeightGradStore,
+    WgradBundle,
+    WgradHooks,
+    WgradTask,
     backward_dw,
+    capture_wgrad,
+    discard_wgrad,
     ensure_no_pending_wgrad,
     guard_optimizer,
+    outstanding_wgrad,
     pending_wgrad,
+    queued_wgrad,
     set_delay_wgrad_compute,
     split_modules,
 )
 from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
-from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
+from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 
 __version__ = "0.1.0"
 
@@ -41,6 +50,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "SplitCapable",
     "SplitModule",
     "WeightGradStore",
     "WgradBundle",
@@ -50,10 +60,13 @@ __all__ = [
     "backward_dw",
     "capture_wgrad",
     "convert",
+    "discard_wgrad",
     "ensure_no_pending_wgrad",
     "guard_optimizer",
     "make_graphed_callables",
+    "outstanding_wgrad",
     "pending_wgrad",
+    "queued_wgrad",
     "set_delay_wgrad_compute",
     "split_modules",
 ]

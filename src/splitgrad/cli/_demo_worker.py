@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.whole_model import guard_optimizer
+from ..core import guard_optimizer
 from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stages
 from ..pipeline import build_runtime, build_schedule
 from .demo import DemoConfig

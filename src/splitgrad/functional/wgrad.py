@@ -1,10 +1,16 @@
-"""Writing weight gradients: into ``.grad`` (accumulate) or into a data-parallel ``main_grad`` buffer.
+"""Computing and writing weight gradients: into ``.grad`` (accumulate) or into a data-parallel ``main_grad``.
 
-These are the only places splitgrad writes parameter gradients itself, so the accumulate-never-overwrite rule
-and Megatron's ``main_grad`` attributes (``overwrite_main_grad``, ``grad_added_to_main_grad``) live here once.
+These are the only places splitgrad computes or writes a linear's parameter gradients, for modules and ops
+alike, so the accumulate-never-overwrite rule, Megatron's ``main_grad`` attributes (``overwrite_main_grad``,
+``grad_added_to_main_grad``) and the checks before any write live here once. The immediate path returns
+:func:`linear_wgrad` to autograd and the split path writes exactly that product (or adds it into
+``main_grad`` with one addmm), so every mode is bitwise identical.
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -12,31 +18,22 @@ from torch import nn
 __all__ = [
     "accumulate_grad",
     "bias_wgrad",
+    "check_targets",
+    "check_writable",
     "linear_wgrad",
-    "linear_wgrad_into_main_grad",
     "require_main_grad",
+    "write_linear_wgrad",
 ]
+
+
+def linear_wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dW = dy.T @ x`` of ``y = x @ W.T``: ``dy: (tokens, out)``, ``x: (tokens, in)`` -> ``(out, in)``."""
+    return dy.t().mm(x)
 
 
 def bias_wgrad(dy: torch.Tensor) -> torch.Tensor:
     """Bias gradient ``(out_features,)`` of ``dy: (tokens, out_features)``."""
     return dy.sum(0)
-
-
-def linear_wgrad(
-    dy: torch.Tensor, x: torch.Tensor, with_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias gradient of ``y = x @ W.T + b``.
-
-    Args:
-        dy: ``(tokens, out_features)`` output gradient.
-        x: ``(tokens, in_features)`` saved input.
-        with_bias: also return the bias gradient.
-
-    Returns:
-        ``(dW, db)`` with ``dW: (out_features, in_features)`` and ``db: (out_features,)`` or None.
-    """
-    return dy.t().mm(x), (bias_wgrad(dy) if with_bias else None)
 
 
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -53,14 +50,40 @@ def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def require_main_grad(param: nn.Parameter, owner: str, name: str) -> torch.Tensor:
-    """Return ``param.main_grad`` after checking it exists and matches the parameter's shape."""
+def check_writable(param: torch.Tensor, owner: str, name: str) -> None:
+    """Refuse a parameter whose gradient splitgrad cannot write correctly (a sharded ``DTensor``).
+
+    FSDP2 (``fully_shard``) swaps sharded DTensor parameters back in after backward, so a deferred task would
+    add an unreduced full gradient to a shard: refused, naming the supported path.
+    """
+    # torch.distributed.tensor is imported by whoever makes DTensors; if it is not loaded, none exist.
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):
+            raise RuntimeError(
+                f"{owner}: `{name}` is a DTensor (sharded, e.g. by FSDP2's fully_shard) when its deferred weight "
+                "gradient is written; splitgrad writes full, unreduced gradients and does not support FSDP. Use "
+                "splitgrad.parallel.DistributedDataParallel for data parallelism (see docs/parallel.md), or "
+                "immediate mode under FSDP"
+            )
+
+
+def require_main_grad(
+    param: nn.Parameter, owner: str, name: str, flag: str = "fuse_wgrad_accumulation"
+) -> torch.Tensor:
+    """Return ``param.main_grad`` after checking it exists and matches the parameter's shape.
+
+    Args:
+        param: the parameter; owner, name: for the message (the layer, the parameter's attribute name).
+        flag: the layer's name for the switch (``fuse_wgrad_accumulation`` or ops' ``accumulate_into_main_grad``).
+    """
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         raise RuntimeError(
-            f"{owner}: fuse_wgrad_accumulation=True needs `{name}.main_grad` (an fp32 buffer of shape "
-            f"{tuple(param.shape)}, normally set by a data-parallel wrapper such as "
-            "splitgrad.parallel.DistributedDataParallel), but the parameter has no `main_grad`"
+            f"{owner}: {flag}=True needs `{name}.main_grad` (a buffer of shape {tuple(param.shape)}, normally "
+            "set by a data-parallel wrapper such as splitgrad.parallel.DistributedDataParallel), but the "
+            "parameter has none"
         )
     if main_grad.shape != param.shape:
         raise RuntimeError(
@@ -69,25 +92,70 @@ def require_main_grad(param: nn.Parameter, owner: str, name: str) -> torch.Tenso
     return main_grad
 
 
-def linear_wgrad_into_main_grad(
-    param: nn.Parameter, dy: torch.Tensor, x: torch.Tensor, owner: str, name: str = "weight"
+def check_targets(
+    targets: Sequence[tuple[nn.Parameter | None, bool, str, bool]], *, owner: str, flag: str
 ) -> None:
-    """``param.main_grad += dy.T @ x`` computed straight into the buffer (no weight-sized temporary).
+    """Check every ``(param, wanted, name, into_main_grad)`` before any gradient is written.
 
-    ``param.overwrite_main_grad = True`` overwrites instead of accumulating; ``param.grad_added_to_main_grad``,
-    when the attribute exists, is set True afterwards (Megatron's DDP reads it to skip its own add).
+    A task that writes several gradients calls this first, so a failure leaves nothing half written and the
+    task can be retried without counting a gradient twice.
+    """
+    for param, wanted, name, into_main_grad in targets:
+        if param is None or not wanted:
+            continue
+        check_writable(param, owner, name)
+        if into_main_grad:
+            require_main_grad(param, owner, name, flag)
+
+
+def write_linear_wgrad(
+    weight: nn.Parameter,
+    bias: nn.Parameter | None,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    want_w: bool,
+    want_b: bool,
+    fused: bool,
+    owner: str,
+    name: str,
+    flag: str = "fuse_wgrad_accumulation",
+) -> None:
+    """Accumulate the gradients of ``y = x @ weight.T + bias`` into ``.grad`` / ``weight.main_grad``.
+
+    With ``fused`` the weight gradient is computed straight into ``weight.main_grad`` with one addmm (no
+    weight-sized temporary); ``weight.overwrite_main_grad = True`` overwrites instead of accumulating, and
+    ``weight.grad_added_to_main_grad``, when the attribute exists, is set True afterwards (Megatron's DDP
+    reads it to skip its own add). The bias gradient always goes to ``bias.grad``.
 
     Args:
-        param: the weight, ``(out_features, in_features)``.
-        dy: ``(tokens, out_features)``; x: ``(tokens, in_features)``.
+        weight: ``(out, in)``.
+        bias: ``(out,)`` or None.
+        dy: ``(tokens, out)`` output gradient; x: ``(tokens, in)`` saved input.
+        want_w, want_b: which gradients are owed (frozen parameters get none).
+        fused: write the weight gradient into ``main_grad``.
+        owner, name, flag: for error messages (the layer, the weight's attribute name, the fused switch's name).
     """
-    main_grad = require_main_grad(param, owner, name)
-    beta = 0.0 if getattr(param, "overwrite_main_grad", False) else 1.0
+    targets = [(weight, want_w, name, fused), (bias, want_b, name.replace("weight", "bias"), False)]
+    check_targets(targets, owner=owner, flag=flag)
+    if want_w:
+        if fused:
+            _add_into_main_grad(weight, dy, x, require_main_grad(weight, owner, name, flag))
+        else:
+            accumulate_grad(weight, linear_wgrad(dy, x))
+    if want_b:
+        accumulate_grad(bias, bias_wgrad(dy))
+
+
+def _add_into_main_grad(
+    weight: nn.Parameter, dy: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor
+) -> None:
+    beta = 0.0 if getattr(weight, "overwrite_main_grad", False) else 1.0
     if dy.dtype != main_grad.dtype:
         # Mixed precision (bf16 activations, fp32 buffer): upcasting the operands costs activation-sized
         # temporaries, never a weight-sized one, and keeps the whole reduction in the buffer's precision.
         dy = dy.to(main_grad.dtype)
         x = x.to(main_grad.dtype)
     main_grad.addmm_(dy.t(), x, beta=beta)
-    if hasattr(param, "grad_added_to_main_grad"):
-        param.grad_added_to_main_grad = True
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True

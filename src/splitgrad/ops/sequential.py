@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.whole_model import split_modules
+from ..core import split_modules
 from .fuser import FusionRegistry, OperationFuser, default_fusions
 from .op import FusibleOperation
 

@@ -93,7 +93,10 @@ def require_main_grad(
 
 
 def check_targets(
-    targets: Sequence[tuple[nn.Parameter | None, bool, str, bool]], *, owner: str, flag: str
+    targets: Sequence[tuple[nn.Parameter | None, bool, str, bool]],
+    *,
+    owner: str,
+    flag: str = "fuse_wgrad_accumulation",
 ) -> None:
     """Check every ``(param, wanted, name, into_main_grad)`` before any gradient is written.
 

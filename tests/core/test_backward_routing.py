@@ -152,3 +152,22 @@ def test_fused_immediate_writes_main_grad_only_when_accumulated():
     assert torch.count_nonzero(layer.weight.main_grad) == 0
     layer(x).sum().backward()
     torch.testing.assert_close(layer.weight.main_grad, dw, rtol=0, atol=0)
+
+
+def test_routing_survives_a_dtype_conversion_of_the_parameters():
+    """``module.double()`` swaps ``param.data`` (same Parameter, new AccumulateGrad node): the memo of nodes
+    must not make the next backward skip the weight."""
+    torch.manual_seed(0)
+    layer = splitgrad.Linear(4, 3, delay_wgrad_compute=True)
+    layer(torch.randn(2, 4)).sum().backward()
+    splitgrad.backward_dw(layer)
+    layer.zero_grad(set_to_none=True)
+    layer.double()
+    plain = torch.nn.Linear(4, 3, dtype=torch.float64)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert splitgrad.pending_wgrad(layer) == 1
+    splitgrad.backward_dw(layer)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-12, atol=1e-12)

@@ -31,13 +31,16 @@ class WgradRoute(enum.Enum):
     SKIP = "skip"
 
 
-def wgrad_route(param: torch.Tensor) -> WgradRoute:
+def wgrad_route(param: torch.Tensor, cache: dict[int, Any] | None = None) -> WgradRoute:
     """Ask the autograd engine what the running backward does with ``param``'s gradient.
 
     Must be called from inside a backward pass (an autograd Function's ``backward``).
 
     Args:
         param: a leaf tensor (a parameter) that requires grad.
+        cache: the caller's ``{id(param): AccumulateGrad node}`` memo (finding the node costs a view op); a
+            stale entry (the parameter's accumulator was replaced) is never in the running graph, so an
+            answer of SKIP is re-checked with a fresh node.
 
     Raises:
         RuntimeError: this torch has no way to ask (then splitting cannot know what is owed, and refuses
@@ -52,7 +55,19 @@ def wgrad_route(param: torch.Tensor) -> WgradRoute:
             "weight gradients this backward owes; use immediate mode (delay_wgrad_compute=False, "
             "fuse_wgrad_accumulation=False)"
         )
-    node = torch.autograd.graph.get_gradient_edge(param).node
+    node = None if cache is None else cache.get(id(param))
+    if node is not None and getattr(node, "variable", None) is not param:
+        node = None  # the id belongs to another tensor now
+    route = _ask(will_execute, node) if node is not None else WgradRoute.SKIP
+    if route is WgradRoute.SKIP:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        route = _ask(will_execute, node)
+        if cache is not None and getattr(node, "variable", None) is param:
+            cache[id(param)] = node
+    return route
+
+
+def _ask(will_execute: Callable[[Any], bool], node: Any) -> WgradRoute:
     try:
         return WgradRoute.ACCUMULATE if will_execute(node) else WgradRoute.SKIP
     except RuntimeError as err:

@@ -134,7 +134,9 @@ class SplitModule(nn.Module):
         if not split:
             return list(gradients(want))
         bundle = active_bundle()
-        routes = [wgrad_route(p) if w else WgradRoute.SKIP for p, w in zip(params, want)]
+        # Memo of the parameters' AccumulateGrad nodes (a plain dict in __dict__: not state, not copied).
+        cache = self.__dict__.setdefault("_grad_accumulators", {})
+        routes = [wgrad_route(p, cache) if w else WgradRoute.SKIP for p, w in zip(params, want)]
         if bundle is not None and bundle.defer_requested:
             routes = [WgradRoute.ACCUMULATE if r is WgradRoute.RETURN else r for r in routes]
         now = tuple(r is WgradRoute.RETURN for r in routes)
@@ -197,6 +199,11 @@ class SplitModule(nn.Module):
         skip = self.splits_wgrad()
         for param in self.wgrad_parameters():
             param.skip_backward_post_hook = skip
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_grad_accumulators", None)  # autograd nodes of the original's parameters
+        return state
 
     def __setstate__(self, state: dict) -> None:
         # deepcopy makes new Parameters without their Python attributes: re-mark them (pickle keeps them).

@@ -171,3 +171,18 @@ def test_routing_survives_a_dtype_conversion_of_the_parameters():
     assert splitgrad.pending_wgrad(layer) == 1
     splitgrad.backward_dw(layer)
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_still_defers(use_reentrant):
+    """Reentrant checkpointing runs a nested plain backward inside backward: the layer must still park."""
+    torch.manual_seed(0)
+    delayed = torch.nn.Sequential(splitgrad.Linear(4, 4, delay_wgrad_compute=True, params_dtype=torch.float64))
+    torch.manual_seed(0)
+    immediate = torch.nn.Sequential(splitgrad.Linear(4, 4, params_dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    for model in (delayed, immediate):
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=use_reentrant).tanh().sum().backward()
+    assert splitgrad.pending_wgrad(delayed) == 1
+    splitgrad.backward_dw(delayed)
+    assert_same(param_grads(delayed), param_grads(immediate))

@@ -9,7 +9,7 @@ from torch import nn
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
-from ..functional.wgrad import bias_wgrad, linear_wgrad, write_linear_wgrad
+from ._linear_wgrad import hand_over_linear_wgrad
 
 __all__ = ["LayerNormLinear", "LayerNormLinearFunction"]
 
@@ -66,16 +66,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
             if dx is not None:
                 dx = dx.view(ctx.x_shape)
 
-        def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            return [linear_wgrad(dy2, ln_out) if mask[0] else None, bias_wgrad(dy2) if mask[1] else None]
-
-        def write(mask: tuple[bool, ...]) -> None:
-            owner._write_wgrad(dy2, ln_out, want_w=mask[0], want_b=mask[1])
-
-        dw, db = owner.hand_over_wgrad(
-            ctx.params, ctx.needs_input_grad[3:5], split=ctx.split, gradients=gradients, write=write,
-            saved=(dy2, ln_out), create_graph=ctx.create_graph,
-        )  # fmt: skip
+        dw, db = hand_over_linear_wgrad(owner, ctx, dy2, ln_out, ctx.needs_input_grad[3:5])
         return dx, dg, dbeta, dw, db, None
 
 
@@ -165,13 +156,6 @@ class LayerNormLinear(SplitModule):
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
-
-    def _write_wgrad(self, dy2: torch.Tensor, ln_out: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
-        """Write the linear's gradients for ``dy2: (tokens, out)`` and ``ln_out: (tokens, in)``."""
-        write_linear_wgrad(
-            self.weight, self.bias, dy2, ln_out,
-            want_w=want_w, want_b=want_b, fused=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight",
-        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
-from ..functional.wgrad import bias_wgrad, linear_wgrad, write_linear_wgrad
+from ._linear_wgrad import hand_over_linear_wgrad
 
 __all__ = ["Linear", "LinearFunction"]
 
@@ -39,16 +39,7 @@ class LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         dx = dy2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
 
-        def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            return [linear_wgrad(dy2, x2) if mask[0] else None, bias_wgrad(dy2) if mask[1] else None]
-
-        def write(mask: tuple[bool, ...]) -> None:
-            owner._write_wgrad(dy2, x2, want_w=mask[0], want_b=mask[1])
-
-        dw, db = owner.hand_over_wgrad(
-            ctx.params, ctx.needs_input_grad[1:3], split=ctx.split, gradients=gradients, write=write,
-            saved=(dy2, x2), create_graph=ctx.create_graph,
-        )  # fmt: skip
+        dw, db = hand_over_linear_wgrad(owner, ctx, dy2, x2, ctx.needs_input_grad[1:3])
         return dx, dw, db, None
 
 
@@ -105,13 +96,6 @@ class Linear(SplitModule):
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
-
-    def _write_wgrad(self, dy2: torch.Tensor, x2: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
-        """Write this layer's gradients for ``dy2: (tokens, out)`` and ``x2: (tokens, in)``."""
-        write_linear_wgrad(
-            self.weight, self.bias, dy2, x2,
-            want_w=want_w, want_b=want_b, fused=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight",
-        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -177,7 +177,9 @@ def test_routing_survives_a_dtype_conversion_of_the_parameters():
 def test_activation_checkpointing_still_defers(use_reentrant):
     """Reentrant checkpointing runs a nested plain backward inside backward: the layer must still park."""
     torch.manual_seed(0)
-    delayed = torch.nn.Sequential(splitgrad.Linear(4, 4, delay_wgrad_compute=True, params_dtype=torch.float64))
+    delayed = torch.nn.Sequential(
+        splitgrad.Linear(4, 4, delay_wgrad_compute=True, params_dtype=torch.float64)
+    )
     torch.manual_seed(0)
     immediate = torch.nn.Sequential(splitgrad.Linear(4, 4, params_dtype=torch.float64))
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
@@ -186,3 +188,15 @@ def test_activation_checkpointing_still_defers(use_reentrant):
     assert splitgrad.pending_wgrad(delayed) == 1
     splitgrad.backward_dw(delayed)
     assert_same(param_grads(delayed), param_grads(immediate))
+
+
+def test_without_the_engine_query_a_split_layer_refuses_loudly(monkeypatch):
+    """The fallback errs on the safe side: no engine query, no guessing which gradients are owed."""
+    layer = splitgrad.Linear(4, 3, delay_wgrad_compute=True)
+    monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+    with pytest.raises(RuntimeError, match="immediate mode"):
+        layer(torch.randn(2, 4)).sum().backward()
+    assert splitgrad.pending_wgrad(layer) == 0
+    immediate = splitgrad.Linear(4, 3)  # immediate mode never asks
+    immediate(torch.randn(2, 4)).sum().backward()
+    assert immediate.weight.grad is not None

@@ -200,3 +200,19 @@ def test_without_the_engine_query_a_split_layer_refuses_loudly(monkeypatch):
     immediate = splitgrad.Linear(4, 3)  # immediate mode never asks
     immediate(torch.randn(2, 4)).sum().backward()
     assert immediate.weight.grad is not None
+
+
+def test_replaced_parameters_are_not_kept_alive_by_the_routing_memo():
+    import gc
+    import weakref
+
+    layer = splitgrad.Linear(4, 3, delay_wgrad_compute=True)
+    layer(torch.randn(2, 4)).sum().backward()
+    splitgrad.backward_dw(layer)
+    old = weakref.ref(layer.weight)
+    layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()}, assign=True)
+    layer.refresh_skip_backward_post_hook()
+    layer(torch.randn(2, 4)).sum().backward()
+    splitgrad.backward_dw(layer)
+    gc.collect()
+    assert old() is None and layer.weight.grad is not None

@@ -31,16 +31,20 @@ class WgradRoute(enum.Enum):
     SKIP = "skip"
 
 
-def wgrad_route(param: torch.Tensor, cache: dict[int, Any] | None = None) -> WgradRoute:
+def wgrad_route(
+    param: torch.Tensor, cache: dict[int, Any] | None = None, key: int | None = None
+) -> WgradRoute:
     """Ask the autograd engine what the running backward does with ``param``'s gradient.
 
     Must be called from inside a backward pass (an autograd Function's ``backward``).
 
     Args:
         param: a leaf tensor (a parameter) that requires grad.
-        cache: the caller's ``{id(param): AccumulateGrad node}`` memo (finding the node costs a view op); a
-            stale entry (the parameter's accumulator was replaced) is never in the running graph, so an
-            answer of SKIP is re-checked with a fresh node.
+        cache: the caller's ``{key: AccumulateGrad node}`` memo (finding the node costs a view op); an entry
+            for another tensor is replaced, and a stale one (the parameter's accumulator was replaced) is never
+            in the running graph, so an answer of SKIP is re-checked with a fresh node.
+        key: the parameter's slot in ``cache`` (default ``id(param)``); a fixed slot per parameter keeps the
+            memo from holding replaced parameters alive.
 
     Raises:
         RuntimeError: this torch has no way to ask (then splitting cannot know what is owed, and refuses
@@ -55,15 +59,16 @@ def wgrad_route(param: torch.Tensor, cache: dict[int, Any] | None = None) -> Wgr
             "weight gradients this backward owes; use immediate mode (delay_wgrad_compute=False, "
             "fuse_wgrad_accumulation=False)"
         )
-    node = None if cache is None else cache.get(id(param))
+    key = id(param) if key is None else key
+    node = None if cache is None else cache.get(key)
     if node is not None and getattr(node, "variable", None) is not param:
-        node = None  # the id belongs to another tensor now
+        node = None  # the slot belongs to another tensor now
     route = _ask(will_execute, node) if node is not None else WgradRoute.SKIP
     if route is WgradRoute.SKIP:
         node = torch.autograd.graph.get_gradient_edge(param).node
         route = _ask(will_execute, node)
         if cache is not None and getattr(node, "variable", None) is param:
-            cache[id(param)] = node
+            cache[key] = node
     return route
 
 

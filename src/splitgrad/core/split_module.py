@@ -134,9 +134,12 @@ class SplitModule(nn.Module):
         if not split:
             return list(gradients(want))
         bundle = active_bundle()
-        # Memo of the parameters' AccumulateGrad nodes (a plain dict in __dict__: not state, not copied).
+        # Memo of the parameters' AccumulateGrad nodes by slot (a plain dict in __dict__: not state, not copied).
         cache = self.__dict__.setdefault("_grad_accumulators", {})
-        routes = [wgrad_route(p, cache) if w else WgradRoute.SKIP for p, w in zip(params, want)]
+        routes = [
+            wgrad_route(p, cache, key=i) if w else WgradRoute.SKIP
+            for i, (p, w) in enumerate(zip(params, want))
+        ]
         if bundle is not None and bundle.defer_requested:
             routes = [WgradRoute.ACCUMULATE if r is WgradRoute.RETURN else r for r in routes]
         now = tuple(r is WgradRoute.RETURN for r in routes)

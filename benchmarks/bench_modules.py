@@ -49,7 +49,7 @@ def _variants(ref: nn.Module, make, call_ref, call, x, dy, device) -> dict[str, 
         "delayed": make(delay_wgrad_compute=True),
         "delayed + fused": make(delay_wgrad_compute=True, fuse_wgrad_accumulation=True),
     }
-    for m in mods["delayed + fused"]._deferred_parameters():
+    for m in mods["delayed + fused"].wgrad_parameters():
         if m.dim() == 2:
             m.main_grad = torch.zeros_like(m, dtype=torch.float32)
     out = {"torch": _timed(lambda: _step(ref, x, dy, call_ref, False), device)}

@@ -10,16 +10,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .convert import convert
-from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear, SplitModule
-from .store import WeightGradStore, WgradBundle, WgradHooks, WgradTask, capture_wgrad
-from .whole_model import (
+from .core import (
+    SplitCapable,
+    SplitModule,
+    WeightGradStore,
+    WgradBundle,
+    WgradHooks,
+    WgradTask,
     backward_dw,
+    capture_wgrad,
+    discard_wgrad,
     ensure_no_pending_wgrad,
     guard_optimizer,
+    outstanding_wgrad,
     pending_wgrad,
+    queued_wgrad,
     set_delay_wgrad_compute,
     split_modules,
 )
+from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy names below as ordinary imports
     from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
@@ -61,6 +70,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "SplitCapable",
     "SplitModule",
     "WeightGradStore",
     "WgradBundle",
@@ -70,10 +80,13 @@ __all__ = [
     "backward_dw",
     "capture_wgrad",
     "convert",
+    "discard_wgrad",
     "ensure_no_pending_wgrad",
     "guard_optimizer",
     "make_graphed_callables",
+    "outstanding_wgrad",
     "pending_wgrad",
+    "queued_wgrad",
     "set_delay_wgrad_compute",
     "split_modules",
 ]

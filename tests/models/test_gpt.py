@@ -91,7 +91,7 @@ def test_capture_bundle_holds_the_whole_model_wgrad():
     train_step(reference, ids, targets, delayed=False)
     with splitgrad.capture_wgrad() as bundle:
         lm_loss(model(ids), targets).backward()
-    assert splitgrad.pending_wgrad(model) == 0 and len(bundle) > 0
+    assert splitgrad.queued_wgrad(model) == 0 and len(bundle) > 0
     bundle.run()
     assert_grads(grads(model), grads(reference), exact=True)
 

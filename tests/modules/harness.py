@@ -56,7 +56,7 @@ def build(case: Case, mode: str, dtype: torch.dtype, *, seed: int = 0) -> nn.Mod
 
 def weight_params(module: nn.Module) -> list[nn.Parameter]:
     """The deferred parameters that need ``main_grad`` when fused: the 2-D ones."""
-    return [p for p in module._deferred_parameters() if p.dim() == 2]
+    return [p for p in module.wgrad_parameters() if p.dim() == 2]
 
 
 def attach_main_grad(module: nn.Module, *, seed: int = 1, fill: float | None = None) -> None:
@@ -168,8 +168,8 @@ def check_delayed_bitwise(case: Case, dtype: torch.dtype = torch.float32) -> Non
 def check_deferred_state_and_hooks(case: Case) -> None:
     """After backward only the deferred parameters owe gradients; backward_dw writes them, then hooks fire once."""
     module = build(case, "delayed", torch.float64)
-    deferred = {id(p) for p in module._deferred_parameters()}
-    assert module.get_backward_dw_params() == module._deferred_parameters()
+    deferred = {id(p) for p in module.wgrad_parameters()}
+    assert module.get_backward_dw_params() == module.wgrad_parameters()
     for name, p in module.named_parameters():
         assert getattr(p, "skip_backward_post_hook", False) == (id(p) in deferred), name
     fired: list[dict] = []
@@ -224,7 +224,7 @@ def check_fused_main_grad(case: Case) -> None:
             assert p.grad is None and p.grad_added_to_main_grad, name
             start = 0.0 if p is first else 7.0
             torch.testing.assert_close(p.main_grad, ref[name] + start, **F64)
-        for p in module._deferred_parameters():
+        for p in module.wgrad_parameters():
             if p.dim() == 1:
                 torch.testing.assert_close(p.grad, ref[name_of[id(p)]], **F64)
 
@@ -248,7 +248,7 @@ def check_capture_bundles(case: Case) -> None:
         x, dys = inputs(case, torch.float64, module, step)
         with splitgrad.capture_wgrad() as bundle:
             torch.autograd.backward(case.call(module, x), dys)
-        assert len(bundle) == 1 and splitgrad.pending_wgrad(module) == 0
+        assert len(bundle) == 1 and splitgrad.queued_wgrad(module) == 0
         bundles.append(bundle)
     for bundle in reversed(bundles):
         bundle.run()
@@ -285,7 +285,7 @@ def check_rejects_wrong_answer(case: Case) -> None:
     got = run(case, "delayed", torch.float64)
     wrong = build(case, "immediate", torch.float64)
     with torch.no_grad():
-        next(iter(wrong._deferred_parameters())).mul_(1.001)
+        next(iter(wrong.wgrad_parameters())).mul_(1.001)
     try:
         assert_all_close(got, reference(case, torch.float64, module=wrong), F64)
     except AssertionError:

@@ -62,7 +62,7 @@ def test_to_empty_and_reset_parameters_give_the_cpu_layer(case, mode):
         assert getattr(p, "skip_backward_post_hook", None) == getattr(q, "skip_backward_post_hook", None), (
             name
         )
-    assert module.get_backward_dw_params() == [p for p in module._deferred_parameters() if p.requires_grad]
+    assert module.get_backward_dw_params() == [p for p in module.wgrad_parameters() if p.requires_grad]
 
     # Trains like plain autograd (float64) and bitwise like the CPU-built layer in immediate mode.
     got = h.run(case, mode, torch.float64, steps=2, module=module)

@@ -209,7 +209,7 @@ def test_capture_wgrad_bundles_hold_op_tasks() -> None:
         with splitgrad.capture_wgrad() as bundle:
             train(model, extra, n_mb=1, drain="none") if mb == 0 else _second_microbatch(model, extra)
         bundles.append(bundle)
-    assert [len(b) for b in bundles] == [2, 2] and splitgrad.pending_wgrad(model) == 0
+    assert [len(b) for b in bundles] == [2, 2] and splitgrad.queued_wgrad(model) == 0
     with pytest.raises(RuntimeError, match="capture_wgrad bundles"):
         model.backward_dw()
     for b in reversed(bundles):  # bundles are independent: any order

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core import guard_optimizer
 from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stages
 from ..pipeline import build_runtime
-from ..whole_model import guard_optimizer
 from .demo import DemoConfig, stages_for
 
 __all__ = ["stages_for", "train_all"]

@@ -1,8 +1,9 @@
 """Capturing one (callable, microbatch): warm-up, then the forward, backward and wgrad graphs.
 
 The backward graph is ``torch.autograd.grad`` of the static outputs with respect to the static inputs and the
-parameters, run inside :func:`splitgrad.capture_wgrad`: the input gradients and every weight gradient that is
-not deferred are recorded in it, while each deferred weight gradient is parked as a task in the bundle. The
+parameters, run inside ``splitgrad.capture_wgrad(defer_requested=True)``: the input gradients and every weight
+gradient that is not deferred are recorded in it, while each deferred weight gradient is parked as a task in the
+bundle (``defer_requested``: although ``autograd.grad`` asks for it, the wgrad graph is what writes it). The
 wgrad graph then records ``task.run(fire_hooks=False)`` of those tasks — their gradient math only. Hooks are
 muted throughout (see :mod:`splitgrad.graphs.targets`) and fired by the replaying code instead.
 """
@@ -15,8 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..store import WeightGradStore, WgradBundle, capture_wgrad
-from ..whole_model import split_modules
+from ..core import WeightGradStore, WgradBundle, capture_wgrad, split_modules
 from .backend import GraphBackend, GraphCaptureError
 from .graphed import CapturedGraphs, GraphedCallable
 from .targets import GradTarget, muted_hooks
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class Owners:
     """The split-capable owners (modules and ops holding a ``wgrad_store``) of one callable, one per store.
 
-    Found with :func:`splitgrad.whole_model.split_modules`, so anything honouring the store contract counts.
+    Found with :func:`splitgrad.split_modules`, so anything honouring the store contract counts.
     A plain function has none: its closed-over layers cannot be found (pass an ``nn.Module`` instead).
     """
 
@@ -92,7 +92,7 @@ def warmup_once(
     fn: Callable[..., object], inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter], owners: Owners
 ) -> None:
     """One eager forward + backward + deferred wgrad, the way capture will run them, hooks muted."""
-    with muted_hooks(owners.stores), capture_wgrad() as bundle:
+    with muted_hooks(owners.stores), capture_wgrad(defer_requested=True) as bundle:
         try:
             outputs, _ = _as_tuple(fn(*inputs), f"{type(fn).__name__} warm-up")
             diff = [o for o in outputs if o.requires_grad]
@@ -198,7 +198,7 @@ class UnitCapture:
         flagged = self._watch_added_flags()
 
         def run() -> tuple[tuple[torch.Tensor | None, ...], WgradBundle]:
-            with capture_wgrad() as bundle:
+            with capture_wgrad(defer_requested=True) as bundle:
                 grads = torch.autograd.grad(
                     diff, wrt, [g for g in self._grad_outputs if g is not None], allow_unused=True
                 )

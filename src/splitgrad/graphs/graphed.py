@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..store import WeightGradStore
+from ..core import WeightGradStore, WgradClaim
 from .backend import Graph
 from .targets import GradTarget
 
@@ -112,6 +112,7 @@ class GraphedCallable:
         self._num_inputs = len(captured.static_inputs)
         self._training = fn.training if isinstance(fn, nn.Module) else None
         self._forward_generation = 0
+        self._claims: list[WgradClaim] = []
         self._pending_dw = False
 
     # -- public API ---------------------------------------------------------------------------------------
@@ -137,8 +138,9 @@ class GraphedCallable:
 
     @property
     def pending_wgrad(self) -> int:
-        """1 after a backward whose wgrad graph has not been replayed yet, else 0."""
-        return int(self._pending_dw)
+        """Owed work units of the wgrad graph awaiting its replay: one per deferring owner (the count
+        ``splitgrad.pending_wgrad(model)`` includes as ``in_graphs``), 0 once replayed."""
+        return len(self._claims)
 
     def get_backward_dw_params(self) -> list[nn.Parameter]:
         """Exactly the parameters :meth:`backward_dw` writes, in module order."""
@@ -267,14 +269,15 @@ class GraphedCallable:
         for store in c.backward_hooks:
             store.hooks.fire()
         if c.wgrad is not None:
-            # Visible to splitgrad.ensure_no_pending_wgrad / guard_optimizer until backward_dw() replays it.
-            for store in c.wgrad_hooks:
-                store.owe()
+            # Visible to splitgrad.ensure_no_pending_wgrad / guard_optimizer until backward_dw() replays it:
+            # one claim per owner, each settled exactly once (by the replay, or when this object is collected).
+            self._claims = [store.owe() for store in c.wgrad_hooks]
             self._pending_dw = True
 
     def _settle_owed(self) -> None:
-        for store in self._captured.wgrad_hooks:
-            store.settle()
+        claims, self._claims = self._claims, []
+        for claim in claims:
+            claim.settle()
         self._pending_dw = False
 
     def __del__(self) -> None:

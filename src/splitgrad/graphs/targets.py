@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..store import WeightGradStore, WgradHooks
+from ..core import WeightGradStore, WgradHooks
 
 __all__ = ["GradTarget", "ParamStateSnapshot", "muted_hooks"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._base import SplitModule
+from ..core import SplitModule
 from .grouped_linear import GroupedLinear, GroupedLinearFunction
 from .layernorm_linear import LayerNormLinear, LayerNormLinearFunction
 from .layernorm_mlp import LayerNormMLP, LayerNormMLPFunction

@@ -6,12 +6,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._split_sizes import check_split_sizes
-from ._wgrad import bias_wgrad
+from ..core import SplitModule, split_backward
+from ..functional.init import linear_init_
+from ..functional.split_sizes import check_split_sizes
+from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
 __all__ = ["GroupedLinear", "GroupedLinearFunction"]
 
@@ -30,7 +29,8 @@ class GroupedLinearFunction(torch.autograd.Function):
         weights, biases = params[:n], (params[n:] if len(params) > n else (None,) * n)
         ctx.owner, ctx.m_splits, ctx.n = owner, m_splits, n
         ctx.has_bias = len(params) > n
-        ctx.split = owner._splits_wgrad()
+        ctx.split = owner.splits_wgrad()
+        ctx.params = (*owner.weights, *(owner.biases if ctx.has_bias else ()))
         ctx.save_for_backward(x, *weights)
         y = x.new_empty(x.shape[0], owner.out_features)
         for xi, yi, w, b in zip(torch.split(x, m_splits), torch.split(y, m_splits), weights, biases):
@@ -44,14 +44,12 @@ class GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @split_backward
     def backward(ctx, dy):  # type: ignore[override]
         x, *weights = ctx.saved_tensors
         owner: GroupedLinear = ctx.owner
         n, m_splits = ctx.n, ctx.m_splits
         need = ctx.needs_input_grad[3:]
-        want_w = tuple(need[:n])
-        want_b = tuple(need[n:]) if ctx.has_bias else (False,) * n
         dy = dy.contiguous()
 
         dx = None
@@ -61,21 +59,23 @@ class GroupedLinearFunction(torch.autograd.Function):
                 if dyi.shape[0] != 0:
                     torch.mm(dyi, w, out=dxi)
 
-        n_params = n * (2 if ctx.has_bias else 1)
-        if not (any(want_w) or any(want_b)):
-            return (dx, None, None, *([None] * n_params))
-        if not ctx.split:
+        def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
             dws, dbs = [], []
             for i, (dyi, xi) in enumerate(zip(torch.split(dy, m_splits), torch.split(x, m_splits))):
-                dws.append(dyi.t().mm(xi) if want_w[i] else None)
-                dbs.append(bias_wgrad(dyi) if want_b[i] else None)
-            return (dx, None, None, *dws, *(dbs if ctx.has_bias else ()))
+                dws.append(linear_wgrad(dyi, xi) if mask[i] else None)
+                if ctx.has_bias:
+                    dbs.append(bias_wgrad(dyi) if mask[n + i] else None)
+            return dws + dbs
 
-        def compute() -> None:
-            owner._write_wgrad(dy, x, m_splits, want_w=want_w, want_b=want_b)
+        def write(mask: tuple[bool, ...]) -> None:
+            biases = mask[n:] if ctx.has_bias else (False,) * n
+            owner._write_wgrad(dy, x, m_splits, want_w=mask[:n], want_b=biases)
 
-        owner._finish_wgrad(compute, saved=(dy, x))
-        return (dx, None, None, *([None] * n_params))
+        grads = owner.hand_over_wgrad(
+            ctx.params, need, split=ctx.split, gradients=gradients, write=write,
+            saved=(dy, x), create_graph=ctx.create_graph,
+        )  # fmt: skip
+        return (dx, None, None, *grads)
 
 
 class GroupedLinear(SplitModule):
@@ -128,7 +128,7 @@ class GroupedLinear(SplitModule):
             b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
             self.register_parameter(f"bias{i}", b)
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
 
@@ -158,7 +158,7 @@ class GroupedLinear(SplitModule):
         splits = self._check_splits(x, m_splits)
         params = [*self.weights, *(self.biases if self.use_bias else ())]
         x2 = x.reshape(-1, self.in_features)
-        y = self._apply_function(GroupedLinearFunction, x2, splits, self, *params)
+        y = self.apply_function(GroupedLinearFunction, x2, splits, self, *params)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
@@ -167,7 +167,7 @@ class GroupedLinear(SplitModule):
             self._describe(), "m_splits", m_splits, self.num_gemms, x.numel() // self.in_features
         )
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         # Registration order (weight0, bias0, weight1, ...), the order named_parameters() reports.
         return list(self.parameters())
 
@@ -182,6 +182,10 @@ class GroupedLinear(SplitModule):
     ) -> None:
         """Write every group's gradients for ``dy: (tokens, out)`` and ``x: (tokens, in)``."""
         owner, fused = self._describe(), self.fuse_wgrad_accumulation
+        # Every group is checked before any is written: a failed task writes nothing and can be retried.
+        targets = [(w, want_w[i], f"weight{i}", fused) for i, w in enumerate(self.weights)]
+        targets += [(b, want_b[i], f"bias{i}", False) for i, b in enumerate(self.biases)]
+        check_targets(targets, owner=owner, flag="fuse_wgrad_accumulation")
         groups = zip(torch.split(dy, m_splits), torch.split(x, m_splits), self.weights, self.biases)
         for i, (dyi, xi, w, b) in enumerate(groups):
             write_linear_wgrad(

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
-from ._wgrad import bias_wgrad, linear_wgrad
+from ..core import SplitModule, split_backward
+from ..functional.init import linear_init_
+from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ._linear_wgrad import hand_over_linear_wgrad
 
 __all__ = ["LayerNormLinear", "LayerNormLinearFunction"]
 
@@ -20,14 +19,15 @@ class LayerNormLinearFunction(torch.autograd.Function):
 
     Shapes: ``x: (..., in)``, ``ln_weight/ln_bias: (in,)``, ``weight: (out, in)``, ``bias: (out,) | None`` ->
     ``y: (..., out)`` and, with ``return_layernorm_output``, ``ln_out: (..., in)``. The norm's gradients are
-    returned to autograd in every mode; only ``weight``/``bias`` go through ``owner._finish_wgrad``.
+    returned to autograd in every mode; only ``weight``/``bias`` go through ``owner.hand_over_wgrad``.
     """
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, owner: LayerNormLinear):  # type: ignore[override]
         ctx.owner = owner
         ctx.has_bias = bias is not None
-        ctx.split = owner._splits_wgrad()
+        ctx.split = owner.splits_wgrad()
+        ctx.params = (owner.weight, owner.bias)
         ctx.normalization = owner.normalization
         ctx.return_ln = owner.return_layernorm_output
         ctx.set_materialize_grads(False)
@@ -43,7 +43,7 @@ class LayerNormLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @split_backward
     def backward(ctx, dy, dln_extra=None):  # type: ignore[override]
         x2, ln_out, gamma, ln_bias, weight, *stats = ctx.saved_tensors
         owner: LayerNormLinear = ctx.owner
@@ -66,19 +66,8 @@ class LayerNormLinearFunction(torch.autograd.Function):
             if dx is not None:
                 dx = dx.view(ctx.x_shape)
 
-        want_w, want_b = ctx.needs_input_grad[3], ctx.has_bias and ctx.needs_input_grad[4]
-        if not (want_w or want_b):
-            return dx, dg, dbeta, None, None, None
-        if not ctx.split:
-            dw = linear_wgrad(dy2, ln_out, with_bias=False)[0] if want_w else None
-            db = bias_wgrad(dy2) if want_b else None
-            return dx, dg, dbeta, dw, db, None
-
-        def compute() -> None:
-            owner._write_wgrad(dy2, ln_out, want_w=want_w, want_b=want_b)
-
-        owner._finish_wgrad(compute, saved=(dy2, ln_out))
-        return dx, dg, dbeta, None, None, None
+        dw, db = hand_over_linear_wgrad(owner, ctx, dy2, ln_out, ctx.needs_input_grad[3:5])
+        return dx, dg, dbeta, dw, db, None
 
 
 class LayerNormLinear(SplitModule):
@@ -143,7 +132,7 @@ class LayerNormLinear(SplitModule):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
 
@@ -155,7 +144,7 @@ class LayerNormLinear(SplitModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x: (..., in_features)`` -> ``(..., out_features)`` (and ``ln_out: (..., in_features)``)."""
         self._check_last_dim(x, self.in_features, "in_features")
-        return self._apply_function(
+        return self.apply_function(
             LayerNormLinearFunction,
             x,
             self.layer_norm_weight,
@@ -165,15 +154,8 @@ class LayerNormLinear(SplitModule):
             self,
         )
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
-
-    def _write_wgrad(self, dy2: torch.Tensor, ln_out: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
-        """Write the linear's gradients for ``dy2: (tokens, out)`` and ``ln_out: (tokens, in)``."""
-        write_linear_wgrad(
-            self.weight, self.bias, dy2, ln_out,
-            want_w=want_w, want_b=want_b, fused=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight",
-        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from ._activations import activation_backward, activation_forward, check_activation, is_gated
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
-from ._wgrad import bias_wgrad
+from ..core import SplitModule, split_backward
+from ..functional.activations import activation_backward, activation_forward, check_activation, is_gated
+from ..functional.init import linear_init_
+from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
 __all__ = ["LayerNormMLP", "LayerNormMLPFunction"]
 
@@ -28,7 +27,8 @@ class LayerNormMLPFunction(torch.autograd.Function):
     def forward(ctx, x, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, owner: LayerNormMLP):  # type: ignore[override]
         ctx.owner = owner
         ctx.has_bias = fc1_b is not None
-        ctx.split = owner._splits_wgrad()
+        ctx.split = owner.splits_wgrad()
+        ctx.params = (owner.fc1_weight, owner.fc1_bias, owner.fc2_weight, owner.fc2_bias)
         ctx.normalization = owner.normalization
         ctx.activation = owner.activation
         x2 = x.reshape(-1, x.shape[-1])
@@ -42,7 +42,7 @@ class LayerNormMLPFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
-    @once_differentiable
+    @split_backward
     def backward(ctx, dy):  # type: ignore[override]
         x2, ln_out, gamma, ln_b, fc1_w, fc2_w, h, act_out, extra, *stats = ctx.saved_tensors
         owner: LayerNormMLP = ctx.owner
@@ -65,25 +65,24 @@ class LayerNormMLPFunction(torch.autograd.Function):
             if dx is not None:
                 dx = dx.view(ctx.x_shape)
 
-        if not (any(want1) or any(want2)):
-            return dx, dg, dbeta, None, None, None, None, None
-        if not ctx.split:
-            return (
-                dx, dg, dbeta,
-                dh.t().mm(ln_out) if want1[0] else None, bias_wgrad(dh) if want1[1] else None,
-                dy2.t().mm(act_out) if want2[0] else None, bias_wgrad(dy2) if want2[1] else None,
-                None,
-            )  # fmt: skip
+        def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
+            return [
+                linear_wgrad(dh, ln_out) if mask[0] else None, bias_wgrad(dh) if mask[1] else None,
+                linear_wgrad(dy2, act_out) if mask[2] else None, bias_wgrad(dy2) if mask[3] else None,
+            ]  # fmt: skip
 
         # A frozen fc1 owes nothing: do not keep its activation-sized operands alive until backward_dw.
         dh_task = dh if any(want1) else None
 
-        def compute() -> None:
-            owner._write_wgrad(dy2, act_out, dh_task, ln_out, want1=want1, want2=want2)
+        def write(mask: tuple[bool, ...]) -> None:
+            owner._write_wgrad(dy2, act_out, dh_task, ln_out, want1=mask[:2], want2=mask[2:])
 
         saved = (dy2, act_out) if dh_task is None else (dy2, act_out, dh_task, ln_out)
-        owner._finish_wgrad(compute, saved=saved)
-        return dx, dg, dbeta, None, None, None, None, None
+        dw1, db1, dw2, db2 = owner.hand_over_wgrad(
+            ctx.params, (*want1, *want2), split=ctx.split, gradients=gradients, write=write,
+            saved=saved, create_graph=ctx.create_graph,
+        )  # fmt: skip
+        return dx, dg, dbeta, dw1, db1, dw2, db2, None
 
 
 class LayerNormMLP(SplitModule):
@@ -156,7 +155,7 @@ class LayerNormMLP(SplitModule):
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
 
@@ -169,12 +168,12 @@ class LayerNormMLP(SplitModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., hidden_size)`` -> ``(..., hidden_size)``."""
         self._check_last_dim(x, self.hidden_size, "hidden_size")
-        return self._apply_function(
+        return self.apply_function(
             LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
             self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self,
         )  # fmt: skip
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         params = [self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias]
         return [p for p in params if p is not None]
 
@@ -196,6 +195,15 @@ class LayerNormMLP(SplitModule):
             want1, want2: ``(weight, bias)`` owed by fc1 / fc2.
         """
         owner, fused = self._describe(), self.fuse_wgrad_accumulation
+        # Both fcs are checked before either is written: a failed task writes nothing and can be retried.
+        check_targets(
+            [
+                (self.fc2_weight, want2[0], "fc2_weight", fused), (self.fc2_bias, want2[1], "fc2_bias", False),
+                (self.fc1_weight, dh is not None and want1[0], "fc1_weight", fused),
+                (self.fc1_bias, dh is not None and want1[1], "fc1_bias", False),
+            ],
+            owner=owner, flag="fuse_wgrad_accumulation",
+        )  # fmt: skip
         write_linear_wgrad(
             self.fc2_weight, self.fc2_bias, dy2, act_out,
             want_w=want2[0], want_b=want2[1], fused=fused, owner=owner, name="fc2_weight",

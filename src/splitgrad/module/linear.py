@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from ._base import SplitModule
-from ._layers import linear_init_, write_linear_wgrad
-from ._wgrad import linear_wgrad
+from ..core import SplitModule, split_backward
+from ..functional.init import linear_init_
+from ._linear_wgrad import hand_over_linear_wgrad
 
 __all__ = ["Linear", "LinearFunction"]
 
@@ -26,12 +25,13 @@ class LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         # Whether the module handles the wgrad itself is fixed at forward (a switch flipped before backward
         # cannot make autograd drop it); whether it is parked or run then is decided by the store at backward.
-        ctx.split = owner._splits_wgrad()
+        ctx.split = owner.splits_wgrad()
+        ctx.params = (owner.weight, owner.bias)
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @once_differentiable
+    @split_backward
     def backward(ctx, dy):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         owner: Linear = ctx.owner
@@ -39,18 +39,8 @@ class LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         dx = dy2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
 
-        want_w, want_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        if not (want_w or want_b):
-            return dx, None, None, None
-        if not ctx.split:
-            dw, db = linear_wgrad(dy2, x2, with_bias=want_b)
-            return dx, (dw if want_w else None), db, None
-
-        def compute() -> None:
-            owner._write_wgrad(dy2, x2, want_w=want_w, want_b=want_b)
-
-        owner._finish_wgrad(compute, saved=(dy2, x2))
-        return dx, None, None, None
+        dw, db = hand_over_linear_wgrad(owner, ctx, dy2, x2, ctx.needs_input_grad[1:3])
+        return dx, dw, db, None
 
 
 class Linear(SplitModule):
@@ -91,7 +81,7 @@ class Linear(SplitModule):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
 
@@ -102,17 +92,10 @@ class Linear(SplitModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` -> ``(..., out_features)``."""
         self._check_last_dim(x, self.in_features, "in_features")
-        return self._apply_function(LinearFunction, x, self.weight, self.bias, self)
+        return self.apply_function(LinearFunction, x, self.weight, self.bias, self)
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]
-
-    def _write_wgrad(self, dy2: torch.Tensor, x2: torch.Tensor, *, want_w: bool, want_b: bool) -> None:
-        """Write this layer's gradients for ``dy2: (tokens, out)`` and ``x2: (tokens, in)``."""
-        write_linear_wgrad(
-            self.weight, self.bias, dy2, x2,
-            want_w=want_w, want_b=want_b, fused=self.fuse_wgrad_accumulation, owner=self._describe(), name="weight",
-        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..core import split_backward
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 
 __all__ = ["FusionFn", "FusionRegistry", "OperationFuser", "default_fusions"]
@@ -261,12 +261,13 @@ class _FuserFunction(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable
+    @split_backward
     def backward(func_ctx, dy: torch.Tensor):  # type: ignore[override]
         state: _State = func_ctx.state
         saved = func_ctx.saved_tensors
         for c, (a, b) in zip(state.ctxs, state.spans):
             c.saved_tensors = saved[a:b]
+            c.create_graph = func_ctx.create_graph
         grads: list[Any] = [None] * len(state.basic)
         try:
             ctxs = state.ctxs

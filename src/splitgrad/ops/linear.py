@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..store import WeightGradStore
+from ..core import WeightGradStore
+from ..functional.init import linear_init_
 from .basic.basic_linear import BasicLinear
 from .basic.bias import Bias
 from .op import BasicOperation, FusibleOperation
@@ -73,17 +73,14 @@ class Linear(FusibleOperation):
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialisation."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+        linear_init_(self.weight, self.bias)
 
     def _link(self) -> None:
         # load_state_dict(assign=True) or a dtype/device conversion may have replaced the Parameter objects.
         linear = self._ops[0]
         if linear._parameters["weight"] is not self.weight:
             linear._parameters["weight"] = self.weight
-            linear._refresh_skip_backward_post_hook()
+            linear.refresh_skip_backward_post_hook()
         if self.bias is not None and self._ops[1]._parameters["bias"] is not self.bias:
             self._ops[1]._parameters["bias"] = self.bias
 

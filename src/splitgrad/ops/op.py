@@ -7,7 +7,7 @@ methods and never touches autograd itself:
 * ``op_backward(ctx, dy) -> (dx, param_grads)`` — ``param_grads`` lines up with :meth:`BasicOperation.op_parameters`;
   the gradients are *returned*, the fuser hands them to autograd. The one exception is deferred weight-gradient
   work (``delay_wgrad_compute`` / ``accumulate_into_main_grad``): those ops return None for the deferred
-  parameters and park a :class:`~splitgrad.store.WgradTask` that writes them later, as the modules do.
+  parameters and hand their work to :meth:`~splitgrad.core.SplitModule.hand_over_wgrad` that writes them later, as the modules do.
 
 A **fused op** (:class:`FusedOperation`) stands in for a run of consecutive basic ops in the forward or the
 backward pass. It must fill every basic op's context exactly as the basic ops would, so that a forward fusion
@@ -44,6 +44,7 @@ class OperationContext:
         input_requires_grad: backward must return ``dx`` (some earlier op or the input needs a gradient).
         weight_requires_grad: some parameter of this op needs a gradient.
         saved_tensors: in backward, what the forward saved (in order).
+        create_graph: in backward, whether it runs with ``create_graph=True``.
     """
 
     def __init__(self, input_requires_grad: bool = False, weight_requires_grad: bool = False) -> None:
@@ -51,6 +52,7 @@ class OperationContext:
         self.weight_requires_grad = weight_requires_grad
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
+        self.create_graph = False
 
     @property
     def requires_grad(self) -> bool:

@@ -1,6 +1,6 @@
 """``ops.Sequential``: a drop-in ``nn.Sequential`` that runs consecutive fusible ops as one autograd Function.
 
-It owns no :class:`~splitgrad.store.WeightGradStore` itself: its deferred-wgrad API delegates to the
+It owns no :class:`~splitgrad.core.WeightGradStore` itself: its deferred-wgrad API delegates to the
 split-capable modules inside it (ops such as ``BasicLinear``/``GroupedLinear``/``Linear``, or any splitgrad
 module passed through), so :func:`splitgrad.backward_dw` on a model containing it counts every task once.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..whole_model import split_modules
+from ..core import split_modules
 from .fuser import FusionRegistry, OperationFuser, default_fusions
 from .op import FusibleOperation
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..whole_model import ensure_no_pending_wgrad, split_modules
+from ..core import ensure_no_pending_wgrad, split_modules
 from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
 from .readiness import StepCounts, count_contributions

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..store import WgradBundle, capture_wgrad
+from ..core import WgradBundle, capture_wgrad
 from .measure import ActivationMeter
 
 __all__ = ["StageExecutor", "split_microbatches"]

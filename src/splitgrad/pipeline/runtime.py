@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..whole_model import ensure_no_pending_wgrad
+from ..core import ensure_no_pending_wgrad
 from .actions import Action, ActionKind, Schedule
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches

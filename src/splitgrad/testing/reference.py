@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from ..whole_model import split_modules
+from ..core import split_modules
 
 __all__ = ["assert_grads_close", "main_grads", "make_plain", "plain_autograd_grads", "shard"]
 

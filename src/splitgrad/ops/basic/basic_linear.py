@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...module._base import SplitModule
+from ...core import SplitModule
+from ...functional.init import linear_init_
+from ...functional.wgrad import linear_wgrad, write_linear_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
-from ._wgrad import weight_grad, write_weight_grad
 
 __all__ = ["BasicLinear"]
 
@@ -58,7 +57,7 @@ class BasicLinear(BasicOperation, SplitModule):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=accumulate_into_main_grad
         )
 
@@ -69,9 +68,9 @@ class BasicLinear(BasicOperation, SplitModule):
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s weight initialisation."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        linear_init_(self.weight)
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight]
 
     # -- op contract ----------------------------------------------------------------------------------------
@@ -79,7 +78,8 @@ class BasicLinear(BasicOperation, SplitModule):
         """Validate ``x`` and save what :meth:`op_backward` needs (fused forwards call this too)."""
         self._check_last_dim(x, self.in_features, "in_features")
         # Decided at forward so that flipping the switch between forward and backward cannot mix modes.
-        ctx.split = ctx.weight_requires_grad and self._splits_wgrad()
+        ctx.split = ctx.weight_requires_grad and self.splits_wgrad()
+        ctx.params = (self.weight,)
         if ctx.requires_grad:
             ctx.save_for_backward(
                 x if ctx.weight_requires_grad else None, self.weight if ctx.input_requires_grad else None
@@ -96,21 +96,18 @@ class BasicLinear(BasicOperation, SplitModule):
         if not ctx.weight_requires_grad:
             return dx, [None]
         x2 = x.reshape(-1, self.in_features)
-        if not ctx.split:
-            return dx, [weight_grad(dy2, x2)]
 
-        def compute() -> None:
-            write_weight_grad(
-                self.weight,
-                dy2,
-                x2,
-                into_main_grad=self.fuse_wgrad_accumulation,
-                owner=self._describe(),
-                name="weight",
-            )
+        def write(mask: tuple[bool, ...]) -> None:
+            write_linear_wgrad(
+                self.weight, None, dy2, x2, want_w=mask[0], want_b=False, fused=self.fuse_wgrad_accumulation,
+                owner=self._describe(), name="weight", flag="accumulate_into_main_grad",
+            )  # fmt: skip
 
-        self._finish_wgrad(compute, saved=(dy2, x2))
-        return dx, [None]
+        grads = self.hand_over_wgrad(
+            ctx.params, (True,), split=ctx.split, gradients=lambda mask: [linear_wgrad(dy2, x2)], write=write,
+            saved=(dy2, x2), create_graph=ctx.create_graph,
+        )  # fmt: skip
+        return dx, grads
 
     def extra_repr(self) -> str:
         return (

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ...module._base import SplitModule
-from ...module._split_sizes import check_split_sizes
-from ...module._wgrad import accumulate_grad, bias_wgrad
+from ...core import SplitModule
+from ...functional.init import linear_init_
+from ...functional.split_sizes import check_split_sizes
+from ...functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
-from ._wgrad import weight_grad, write_weight_grad
 
 __all__ = ["GroupedLinear", "as_split_sizes"]
 
@@ -84,7 +83,7 @@ class GroupedLinear(BasicOperation, SplitModule):
             for g in range(num_groups):
                 self.register_parameter(f"bias{g}", nn.Parameter(torch.empty(out_features, **factory)))
         self.reset_parameters()
-        self._init_split(
+        self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=accumulate_into_main_grad
         )
 
@@ -100,13 +99,10 @@ class GroupedLinear(BasicOperation, SplitModule):
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialisation, group by group."""
-        bound = 1 / math.sqrt(self.in_features)
         for w, b in zip(self.weights(), self.biases()):
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            if b is not None:
-                nn.init.uniform_(b, -bound, bound)
+            linear_init_(w, b)
 
-    def _deferred_parameters(self) -> list[nn.Parameter]:
+    def wgrad_parameters(self) -> list[nn.Parameter]:
         return self.op_parameters()
 
     # -- op contract ----------------------------------------------------------------------------------------
@@ -122,7 +118,8 @@ class GroupedLinear(BasicOperation, SplitModule):
         x2 = x.reshape(-1, self.in_features)
         sizes = as_split_sizes(self, split_sizes, self.num_groups, x2.shape[0])
         ctx.sizes = sizes
-        ctx.split = ctx.weight_requires_grad and self._splits_wgrad()
+        ctx.split = ctx.weight_requires_grad and self.splits_wgrad()
+        ctx.params = tuple(self.op_parameters())
         ctx.lead = tuple(x.shape[:-1])
         if ctx.requires_grad:
             ctx.save_for_backward(x2 if ctx.weight_requires_grad else None, *self.weights())
@@ -147,28 +144,39 @@ class GroupedLinear(BasicOperation, SplitModule):
             dx = dx2.view(*ctx.lead, self.in_features)
         if not ctx.weight_requires_grad:
             return dx, None
-        if not ctx.split:
-            dws = [weight_grad(dyg, xg) for dyg, xg in zip(dy2.split(sizes), x2.split(sizes))]
-            dbs = [bias_wgrad(dyg) for dyg in dy2.split(sizes)] if self.use_bias else []
-            return dx, dws + dbs
+        n = self.num_groups
 
-        def compute() -> None:
-            self._write_wgrad(dy2, x2, sizes)
+        def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
+            dys, xs = dy2.split(sizes), x2.split(sizes)
+            dws = [linear_wgrad(dys[g], xs[g]) if mask[g] else None for g in range(n)]
+            dbs = [bias_wgrad(dys[g]) if mask[n + g] else None for g in range(n)] if self.use_bias else []
+            return dws + dbs
 
-        self._finish_wgrad(compute, saved=(dy2, x2))
-        return dx, None
+        def write(mask: tuple[bool, ...]) -> None:
+            self._write_wgrad(dy2, x2, sizes, mask)
 
-    def _write_wgrad(self, dy2: torch.Tensor, x2: torch.Tensor, sizes: list[int]) -> None:
-        owner = self._describe()
-        for g, (dyg, xg, w, b) in enumerate(
-            zip(dy2.split(sizes), x2.split(sizes), self.weights(), self.biases())
-        ):
-            if w.requires_grad:
-                write_weight_grad(
-                    w, dyg, xg, into_main_grad=self.fuse_wgrad_accumulation, owner=owner, name=f"weight{g}"
-                )
-            if b is not None and b.requires_grad:
-                accumulate_grad(b, bias_wgrad(dyg))
+        grads = self.hand_over_wgrad(
+            ctx.params, [p.requires_grad for p in ctx.params], split=ctx.split, gradients=gradients,
+            write=write, saved=(dy2, x2), create_graph=ctx.create_graph,
+        )  # fmt: skip
+        return dx, grads
+
+    def _write_wgrad(
+        self, dy2: torch.Tensor, x2: torch.Tensor, sizes: list[int], mask: tuple[bool, ...]
+    ) -> None:
+        """Write the masked gradients (weights, then biases, as :meth:`op_parameters`) of every group."""
+        owner, n, fused = self._describe(), self.num_groups, self.fuse_wgrad_accumulation
+        want_b = mask[n:] if self.use_bias else (False,) * n
+        # Every group is checked before any is written: a failed task writes nothing and can be retried.
+        targets = [(w, mask[g], f"weight{g}", fused) for g, w in enumerate(self.weights())]
+        targets += [(b, want_b[g], f"bias{g}", False) for g, b in enumerate(self.biases())]
+        check_targets(targets, owner=owner, flag="accumulate_into_main_grad")
+        groups = zip(dy2.split(sizes), x2.split(sizes), self.weights(), self.biases())
+        for g, (dyg, xg, w, b) in enumerate(groups):
+            write_linear_wgrad(
+                w, b, dyg, xg, want_w=mask[g], want_b=want_b[g], fused=fused, owner=owner, name=f"weight{g}",
+                flag="accumulate_into_main_grad",
+            )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...module._norm import norm_backward, norm_forward
+from ...functional.norm import norm_backward, norm_forward
 from ..op import BasicOperation, OperationContext, ParamGrads
 from .layer_norm import check_normalized_input, normalized_shape_tuple
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import splitgrad
-from tests.core.helpers import assert_same, grads
+from tests.core.helpers import assert_same
+from tests.helpers import grads
 
 
 def _pair(seed: int = 0):

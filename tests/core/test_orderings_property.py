@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import splitgrad
-from tests.core.helpers import assert_same, grads
+from tests.core.helpers import assert_same
+from tests.helpers import grads
 
 
 def _model(delay: bool) -> torch.nn.Module:

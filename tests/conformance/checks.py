@@ -185,6 +185,11 @@ def check_frozen(case: Case, mode: str) -> None:
 def _bundled(case: Case, mode: str, order: list[int]) -> dict[str, torch.Tensor | None]:
     """``N_BUNDLES`` microbatches, each backward captured in its own bundle, the bundles run in ``order``."""
     built = build(case, mode, torch.float64)
+    fired = {name: 0 for name, _ in built.members()}
+    for name, m in built.members():
+        m.register_wgrad_accumulation_and_reduce_hooks(
+            lambda name=name: fired.__setitem__(name, fired[name] + 1)
+        )
     bundles = []
     for step in range(N_BUNDLES):
         with splitgrad.capture_wgrad() as bundle:
@@ -193,8 +198,10 @@ def _bundled(case: Case, mode: str, order: list[int]) -> dict[str, torch.Tensor 
             f"{case.name}: {len(bundle)} tasks in one backward's bundle"
         )
         bundles.append(bundle)
+    assert not any(fired.values()), f"{case.name} {mode}: a hook fired before its bundle ran: {fired}"
     for i in order:
         bundles[i].run()
+    assert all(n == N_BUNDLES for n in fired.values()), f"{case.name} {mode}: hooks per member {fired}"
     with pytest.raises(RuntimeError, match="already ran"):
         bundles[order[0]].run()
     splitgrad.ensure_no_pending_wgrad(built.module, what=f"after running the bundles of {case.name}")

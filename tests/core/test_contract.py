@@ -38,22 +38,6 @@ def test_hooks_fire_once_per_backward_dw_after_grads_written():
     assert len(seen) == 2
 
 
-def test_hooks_in_immediate_modes():
-    plain = splitgrad.Linear(3, 2)
-    fired = []
-    plain.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append("plain"))
-    _backward(plain)
-    assert fired == []  # gradients go through autograd's AccumulateGrad: use its hooks
-
-    fused = splitgrad.Linear(3, 2, fuse_wgrad_accumulation=True)
-    attach_main_grad(fused, fill=0.0)
-    fused.register_wgrad_accumulation_and_reduce_hooks(
-        lambda: fired.append(("fused", float(fused.weight.main_grad.abs().sum()) > 0))
-    )
-    _backward(fused)
-    assert fired == [("fused", True)]  # bypasses AccumulateGrad, so announced at backward time, after write
-
-
 def test_two_hooks_fire_in_registration_order_and_remove_independently():
     layer = splitgrad.Linear(3, 2, delay_wgrad_compute=True)
     order = []

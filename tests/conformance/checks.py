@@ -6,6 +6,7 @@ contract; ``tests/conformance/test_checker.py`` proves each one rejects a delibe
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -75,6 +76,35 @@ def check_bitwise_vs_immediate(case: Case, dtype: torch.dtype) -> None:
                 EXACT,
                 f"{case.name} {deferred} vs {now} {dtype}",
             )
+
+
+def check_fifo_drain(case: Case, dtype: torch.dtype) -> None:
+    """Two backwards, then two ``backward_dw()`` calls (oldest first) give immediate mode's bits."""
+    for deferred, now in (("delayed", "immediate"), ("fused_delayed", "fused")):
+        if deferred in case.modes and now in case.modes:
+            got = run(case, deferred, dtype, drain_at_end=True)
+            assert_results(
+                got, run(case, now, dtype), EXACT, f"{case.name} {deferred} drained at end vs {now}"
+            )
+
+
+def check_owed_work_is_visible(case: Case, mode: str) -> None:
+    """Between backward and ``backward_dw`` the work is owed: the optimizer guard refuses to step,
+    ``ensure_no_pending_wgrad`` raises, and the module refuses to be deep-copied; afterwards all three pass."""
+    built = build(case, mode, torch.float64)
+    opt = torch.optim.SGD([p for p in built.module.parameters() if p.requires_grad], lr=0.0)
+    splitgrad.guard_optimizer(opt, built.module)
+    backward(built, 0)
+    with pytest.raises(RuntimeError, match="pending"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="pending"):
+        splitgrad.ensure_no_pending_wgrad(built.module)
+    with pytest.raises(RuntimeError, match="pending"):
+        copy.deepcopy(built.module)
+    built.subject.backward_dw()
+    opt.step()  # lr=0: the step itself changes nothing
+    splitgrad.ensure_no_pending_wgrad(built.module)
+    copy.deepcopy(built.module)
 
 
 def check_hooks(case: Case, mode: str) -> None:

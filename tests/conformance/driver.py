@@ -108,15 +108,27 @@ def backward(built: Built, step: int) -> tuple[tuple[torch.Tensor, ...], torch.T
     return tuple(o.detach().clone() for o in outs), x.grad.detach().clone()
 
 
-def run(case: Case, mode: str, dtype: torch.dtype, *, steps: int = 2, built: Built | None = None) -> Result:
-    """``steps`` microbatches, each followed by one ``backward_dw()`` when delaying; nothing may stay owed."""
+def run(
+    case: Case,
+    mode: str,
+    dtype: torch.dtype,
+    *,
+    steps: int = 2,
+    built: Built | None = None,
+    drain_at_end: bool = False,
+) -> Result:
+    """``steps`` microbatches, each followed by one ``backward_dw()`` when delaying (or all of them after the
+    last backward with ``drain_at_end``: each call runs the oldest pending work); nothing may stay owed."""
     built = build(case, mode, dtype) if built is None else built
     dxs = []
     outs: tuple[torch.Tensor, ...] = ()
     for step in range(steps):
         outs, dx = backward(built, step)
         dxs.append(dx)
-        if delays(mode):
+        if delays(mode) and not drain_at_end:
+            built.subject.backward_dw()
+    if delays(mode) and drain_at_end:
+        for _ in range(steps):
             built.subject.backward_dw()
     splitgrad.ensure_no_pending_wgrad(built.module, what=f"the end of {case.name} {mode}")
     return Result(outs, dxs, grads(built.module))

@@ -116,6 +116,15 @@ class OverwritesGrad(splitgrad.Linear):
         self.__dict__["seen"] = grad.clone()
 
 
+class EagerDespiteDelay(splitgrad.Linear):
+    """Defers, then runs its own pending work at the end of its backward (so nothing is ever owed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.need_backward_dw():
+            self.register_full_backward_hook(lambda module, grad_in, grad_out: module.backward_dw())
+
+
 class SilentWhenIdle(splitgrad.Linear):
     """Swallows the error of ``backward_dw()`` with nothing pending."""
 
@@ -198,3 +207,13 @@ def test_bitwise_claim_about_orders_is_needed():
     assert checks.bitwise_order_independent([1, 0, 2], "delayed")
     assert not checks.bitwise_order_independent([0, 2, 1], "delayed")
     assert not checks.bitwise_order_independent([1, 0, 2], "fused_delayed")
+
+
+def test_fifo_drain_rejects_a_doubled_wgrad():
+    with pytest.raises(AssertionError, match="drained at end vs immediate"):
+        checks.check_fifo_drain(_broken(DoubledWgrad), torch.float32)
+
+
+def test_owed_work_rejects_a_layer_that_owes_nothing():
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        checks.check_owed_work_is_visible(_broken(EagerDespiteDelay), "delayed")

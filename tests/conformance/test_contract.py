@@ -35,6 +35,17 @@ def test_bitwise_vs_immediate(case: Case, dtype: torch.dtype) -> None:
     checks.check_bitwise_vs_immediate(case, dtype)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if not c.graphed], ids=str)
+def test_fifo_drain_after_several_backwards(case: Case) -> None:
+    # Graphed callables hold one microbatch in flight (a second backward before backward_dw is refused).
+    checks.check_fifo_drain(case, torch.float32)
+
+
+@pytest.mark.parametrize(("case", "mode"), _grid(("delayed", "fused_delayed")))
+def test_owed_work_is_visible(case: Case, mode: str) -> None:
+    checks.check_owed_work_is_visible(case, mode)
+
+
 @pytest.mark.parametrize(("case", "mode"), _grid(MODES))
 def test_hooks_once_per_task_after_write(case: Case, mode: str) -> None:
     checks.check_hooks(case, mode)

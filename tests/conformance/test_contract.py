@@ -61,7 +61,7 @@ def test_skip_backward_post_hook(case: Case, mode: str) -> None:
     checks.check_skip_backward_post_hook(case, mode)
 
 
-@pytest.mark.parametrize(("case", "mode"), _grid(("delayed", "fused_delayed"), when=lambda c: bool(c.frozen)))
+@pytest.mark.parametrize(("case", "mode"), _grid(MODES, when=lambda c: bool(c.frozen)))
 def test_frozen_parameters(case: Case, mode: str) -> None:
     checks.check_frozen(case, mode)
 

@@ -232,6 +232,7 @@ CASES: list[Case] = [
         make=_graphed_ops_linear,
         x_shape=(6, 8),
         reference=lambda p, x: (_linear(x, p["weight"], p["bias"]),),
+        frozen=("bias",),
         graphed=True,
         bundles=False,
     ),

@@ -63,7 +63,9 @@ def train(model: torch.nn.Module, extra: tuple, *, n_mb: int = 2, drain: str = "
 
 
 @pytest.mark.parametrize("drain", ["end", "each"])
-@pytest.mark.parametrize("kind", KINDS)
+# BasicLinear, Linear and the MLP run in tests/conformance (bitwise, drained per microbatch and at the end);
+# these two have what the suite's cases do not: an empty expert group and a gated MoE block.
+@pytest.mark.parametrize("kind", ["GroupedLinear", "moe"])
 def test_delayed_matches_immediate_bitwise(kind: str, drain: str) -> None:
     ref, extra = build(kind)
     ref_dx = train(ref, extra)

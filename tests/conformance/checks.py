@@ -181,7 +181,8 @@ def check_backward_dw_params(case: Case, mode: str) -> None:
 
 def check_skip_backward_post_hook(case: Case, mode: str) -> None:
     """``skip_backward_post_hook`` is True exactly on the trainable parameters the module writes itself
-    (delayed or fused), False/absent on those autograd writes; ``set_delay_wgrad_compute`` keeps it so."""
+    (delayed or fused), False/absent on those autograd writes; ``set_delay_wgrad_compute`` keeps it so;
+    ``need_backward_dw()`` says whether it defers."""
     built = build(case, mode, torch.float64)
 
     def assert_flags(writes_itself: bool, what: str) -> None:
@@ -193,10 +194,13 @@ def check_skip_backward_post_hook(case: Case, mode: str) -> None:
                 assert got == want, f"{case.name} {what}: {name}.skip_backward_post_hook={got}, want {want}"
 
     assert_flags(mode != "immediate", mode)
+    need = built.subject.need_backward_dw()
+    assert need == delays(mode), f"{case.name} {mode}: need_backward_dw()={need}"
     if case.graphed or fuses(mode):
         return  # a graph keeps its captured split; fused writes itself whatever the delay switch says
     splitgrad.set_delay_wgrad_compute(built.module, not delays(mode))
     assert_flags(not delays(mode), f"{mode} switched to delay={not delays(mode)}")
+    assert built.subject.need_backward_dw() == (not delays(mode)), f"{case.name}: switch ignored"
 
 
 def check_frozen(case: Case, mode: str) -> None:

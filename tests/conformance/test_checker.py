@@ -38,6 +38,14 @@ class DoubledWgrad(splitgrad.Linear):
             self.weight.grad.mul_(2)
 
 
+class ReplacesMainGrad(splitgrad.Linear):
+    """Fused: leaves the weight gradient in a new tensor instead of the wrapper's ``main_grad`` buffer."""
+
+    def backward_dw(self) -> None:
+        super().backward_dw()
+        self.weight.main_grad = self.weight.main_grad.clone()
+
+
 class HookTwice(splitgrad.Linear):
     """Registers every wgrad hook twice (so it fires twice per task)."""
 
@@ -143,6 +151,11 @@ def test_broken_layers_are_otherwise_valid_linears():
 def test_float64_reference_rejects_a_doubled_wgrad():
     with pytest.raises(AssertionError, match="vs float64 autograd: weight"):
         checks.check_float64_reference(_broken(DoubledWgrad), "delayed")
+
+
+def test_float64_reference_rejects_a_replaced_main_grad_buffer():
+    with pytest.raises(AssertionError, match=r"weight\.main_grad was replaced"):
+        checks.check_float64_reference(_broken(ReplacesMainGrad), "fused_delayed")
 
 
 def test_bitwise_rejects_a_doubled_wgrad():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import splitgrad
-from tests.core.helpers import assert_same, grads
+from tests.core.helpers import assert_same
+from tests.helpers import grads
 
 
 def _build(kind: str, delay: bool) -> tuple[torch.nn.Module, callable]:

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import splitgrad
-from tests.core.helpers import assert_same, attach_main_grad, grads
+from tests.core.helpers import assert_same
+from tests.helpers import attach_main_grad, grads
 
 SHAPES = {"2d": (12,), "3d": (3, 5)}
 
@@ -24,7 +25,7 @@ def _run(delay: bool, fused: bool, dtype: torch.dtype, lead: tuple[int, ...], bi
         16, 8, bias=bias, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused, params_dtype=dtype
     )
     if fused:
-        attach_main_grad(layer)
+        attach_main_grad(layer, dtype=torch.float32)  # Megatron's fp32 buffers, whatever the params
     dxs = []
     for mb in range(n_mb):
         x = torch.randn(*lead, 16, dtype=dtype, generator=torch.Generator().manual_seed(mb)).requires_grad_()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import splitgrad
-from tests.core.helpers import assert_same, grads
+from tests.core.helpers import assert_same
+from tests.helpers import grads
 
 F64 = torch.float64
 

@@ -1,4 +1,5 @@
-"""Shared helpers of the model tests: tiny float64 configs, seeded models, gradient snapshots and comparisons."""
+"""Shared helpers of the model tests: tiny float64 configs, seeded models and gradient comparisons
+(gradient snapshots: :func:`tests.helpers.grads`)."""
 
 from __future__ import annotations
 
@@ -59,15 +60,6 @@ def batch(config: GPTConfig, batch_size: int = 2, seq: int | None = None, seed: 
         torch.randint(0, config.vocab_size, shape, generator=gen),
         torch.randint(0, config.vocab_size, shape, generator=gen),
     )
-
-
-def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Name -> clone of the parameter's gradient (``main_grad`` when ``.grad`` is None and it has one)."""
-    out = {}
-    for name, p in module.named_parameters():
-        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
-        out[name] = None if g is None else g.detach().clone()
-    return out
 
 
 def assert_grads(a: dict, b: dict, *, exact: bool = False) -> None:

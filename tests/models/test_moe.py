@@ -13,7 +13,8 @@ import torch
 
 import splitgrad
 from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers, reference_twin, set_aux_loss_scale
-from tests.models.helpers import assert_grads, batch, build, gpt_config, grads, moe_config, train_step
+from tests.helpers import grads
+from tests.models.helpers import assert_grads, batch, build, gpt_config, moe_config, train_step
 
 VARIANTS = {
     "top2-gelu": ({}, (2, 16)),

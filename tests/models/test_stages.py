@@ -21,7 +21,8 @@ from splitgrad.models import (
     split_into_stages,
     stage_layer_counts,
 )
-from tests.models.helpers import assert_grads, batch, build, gpt_config, grads, moe_config
+from tests.helpers import grads
+from tests.models.helpers import assert_grads, batch, build, gpt_config, moe_config
 
 
 def _pipeline_step(stages, microbatches, *, reverse_w: bool = False) -> None:

@@ -1,8 +1,11 @@
 """Drive any splitgrad module through every split mode and compare it with a plain-torch reference.
 
 A :class:`Case` describes one module configuration: how to build it, how to call it, and a plain-torch
-reference written from the parameters by name. The ``check_*`` functions are the contract every module of
-this area must meet; each module's test file runs them on its own cases.
+reference written from the parameters by name. The ``check_*`` functions cover what varies with a module's
+options (norms, activations, shapes, frozen subsets, main_grad flags); each module's test file runs them on its
+own cases. The clauses every split-capable class shares (hooks, ``skip_backward_post_hook``,
+``get_backward_dw_params``, bundles in any order, idle ``backward_dw``) are checked once for all classes in
+``tests/conformance``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from torch import nn
 
 import splitgrad
+from tests.helpers import attach_main_grad, fused_weights, grads
 
 MODES = ("immediate", "delayed", "fused", "fused_delayed")
 F64 = {"rtol": 1e-10, "atol": 1e-12}
@@ -54,20 +58,6 @@ def build(case: Case, mode: str, dtype: torch.dtype, *, seed: int = 0) -> nn.Mod
     return module
 
 
-def weight_params(module: nn.Module) -> list[nn.Parameter]:
-    """The deferred parameters that need ``main_grad`` when fused: the 2-D ones."""
-    return [p for p in module.wgrad_parameters() if p.dim() == 2]
-
-
-def attach_main_grad(module: nn.Module, *, seed: int = 1, fill: float | None = None) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for p in weight_params(module):
-        if fill is None:
-            p.main_grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
-        else:
-            p.main_grad = torch.full_like(p, fill)
-
-
 def inputs(case: Case, dtype: torch.dtype, module: nn.Module, step: int) -> tuple[torch.Tensor, tuple]:
     """Input and output gradients of step ``step`` (seeded, shapes read from a dry forward)."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -78,17 +68,6 @@ def inputs(case: Case, dtype: torch.dtype, module: nn.Module, step: int) -> tupl
     return x, dys
 
 
-def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Name -> clone of ``main_grad`` for fused weights, else of ``.grad`` (None stays None)."""
-    out = {}
-    fused = getattr(module, "fuse_wgrad_accumulation", False)
-    weights = {id(p) for p in weight_params(module)}
-    for name, p in module.named_parameters():
-        g = p.main_grad if fused and id(p) in weights and p.requires_grad else p.grad
-        out[name] = None if g is None else g.detach().clone()
-    return out
-
-
 def run(case: Case, mode: str, dtype: torch.dtype, *, steps: int = 1, module: nn.Module | None = None):
     """Forward+backward ``steps`` times (``backward_dw`` after each when delaying).
 
@@ -96,8 +75,8 @@ def run(case: Case, mode: str, dtype: torch.dtype, *, steps: int = 1, module: nn
         ``(outputs of the last step, [x.grad per step], grads(module))``.
     """
     module = build(case, mode, dtype) if module is None else module
-    if mode.startswith("fused") and not any(hasattr(p, "main_grad") for p in weight_params(module)):
-        attach_main_grad(module)
+    if mode.startswith("fused") and not any(hasattr(p, "main_grad") for p in fused_weights(module)):
+        attach_main_grad(module, seed=1)
     dxs = []
     for step in range(steps):
         x, dys = inputs(case, dtype, module, step)
@@ -152,7 +131,7 @@ def check_float64_reference(case: Case, mode: str) -> None:
     want = reference(case, torch.float64, steps=2, module=ref_module)
     if mode.startswith("fused"):
         # main_grad started from a random buffer: the reference adds the same start.
-        attach_main_grad(ref_module)
+        attach_main_grad(ref_module, seed=1)
         for name, p in ref_module.named_parameters():
             if hasattr(p, "main_grad"):
                 want[2][name] = want[2][name] + p.main_grad
@@ -163,28 +142,6 @@ def check_delayed_bitwise(case: Case, dtype: torch.dtype = torch.float32) -> Non
     """Deferring changes when the wgrad is computed, never its bits (plain and fused pairs, two steps)."""
     assert_all_close(run(case, "delayed", dtype, steps=2), run(case, "immediate", dtype, steps=2), EXACT)
     assert_all_close(run(case, "fused_delayed", dtype, steps=2), run(case, "fused", dtype, steps=2), EXACT)
-
-
-def check_deferred_state_and_hooks(case: Case) -> None:
-    """After backward only the deferred parameters owe gradients; backward_dw writes them, then hooks fire once."""
-    module = build(case, "delayed", torch.float64)
-    deferred = {id(p) for p in module.wgrad_parameters()}
-    assert module.get_backward_dw_params() == module.wgrad_parameters()
-    for name, p in module.named_parameters():
-        assert getattr(p, "skip_backward_post_hook", False) == (id(p) in deferred), name
-    fired: list[dict] = []
-    handle = module.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(grads(module)))
-
-    x, dys = inputs(case, torch.float64, module, 0)
-    torch.autograd.backward(case.call(module, x.requires_grad_()), dys)
-    assert module.need_backward_dw() and splitgrad.pending_wgrad(module) == 1 and not fired
-    for name, p in module.named_parameters():
-        assert (p.grad is None) == (id(p) in deferred), f"{name} after backward: grad={p.grad}"
-    module.backward_dw()
-    assert len(fired) == 1 and all(g is not None for g in fired[0].values()), "hook before grads were written"
-    handle.remove()
-    torch.autograd.backward(case.call(module, x), dys)
-    assert splitgrad.backward_dw(module) == 1 and len(fired) == 1
 
 
 def check_mode_fixed_at_forward(case: Case) -> None:
@@ -206,9 +163,9 @@ def check_fused_main_grad(case: Case) -> None:
     for mode in ("fused", "fused_delayed"):
         module = build(case, mode, torch.float64)
         attach_main_grad(module, fill=7.0)
-        first = weight_params(module)[0]
+        first = fused_weights(module)[0]
         first.overwrite_main_grad = True
-        for p in weight_params(module):
+        for p in fused_weights(module):
             p.grad_added_to_main_grad = False
         fired = []
         module.register_wgrad_accumulation_and_reduce_hooks(lambda fired=fired: fired.append(1))
@@ -219,12 +176,12 @@ def check_fused_main_grad(case: Case) -> None:
         assert len(fired) == 1
         ref = reference(case, torch.float64, module=build(case, "immediate", torch.float64))[2]
         name_of = {id(p): n for n, p in module.named_parameters()}
-        for p in weight_params(module):
+        for p in fused_weights(module):
             name = name_of[id(p)]
             assert p.grad is None and p.grad_added_to_main_grad, name
             start = 0.0 if p is first else 7.0
             torch.testing.assert_close(p.main_grad, ref[name] + start, **F64)
-        for p in module.wgrad_parameters():
+        for p in module.get_backward_dw_params():
             if p.dim() == 1:
                 torch.testing.assert_close(p.grad, ref[name_of[id(p)]], **F64)
 
@@ -240,24 +197,6 @@ def check_missing_main_grad_is_an_error(case: Case) -> None:
         raise AssertionError("fused backward without main_grad did not raise")
 
 
-def check_capture_bundles(case: Case) -> None:
-    """Two microbatches captured in bundles and run in reverse order give the two-step gradients."""
-    module = build(case, "delayed", torch.float64)
-    bundles = []
-    for step in range(2):
-        x, dys = inputs(case, torch.float64, module, step)
-        with splitgrad.capture_wgrad() as bundle:
-            torch.autograd.backward(case.call(module, x), dys)
-        assert len(bundle) == 1 and splitgrad.queued_wgrad(module) == 0
-        bundles.append(bundle)
-    for bundle in reversed(bundles):
-        bundle.run()
-    want = reference(case, torch.float64, steps=2)[2]
-    got = grads(module)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], **F64, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def check_frozen(case: Case, frozen: list[str], *, mode: str = "delayed") -> None:
     """Frozen parameters get no gradient; the rest match the reference; pending work stays one task at most."""
     module = build(case, mode, torch.float64)
@@ -271,7 +210,7 @@ def check_frozen(case: Case, frozen: list[str], *, mode: str = "delayed") -> Non
         ref_module.get_parameter(name).requires_grad_(False)
     want = reference(case, torch.float64, steps=2, module=ref_module)
     if mode.startswith("fused"):
-        attach_main_grad(ref_module)
+        attach_main_grad(ref_module, seed=1)
         for name, p in ref_module.named_parameters():
             if hasattr(p, "main_grad") and p.requires_grad:
                 want[2][name] = want[2][name] + p.main_grad
@@ -285,7 +224,7 @@ def check_rejects_wrong_answer(case: Case) -> None:
     got = run(case, "delayed", torch.float64)
     wrong = build(case, "immediate", torch.float64)
     with torch.no_grad():
-        next(iter(wrong.wgrad_parameters())).mul_(1.001)
+        wrong.get_backward_dw_params()[0].mul_(1.001)
     try:
         assert_all_close(got, reference(case, torch.float64, module=wrong), F64)
     except AssertionError:

@@ -82,19 +82,3 @@ def grouped_ref(x: torch.Tensor, p: dict, sizes: list[int], n: int, bias: bool) 
         for g, xg in enumerate(x.reshape(-1, x.shape[-1]).split(sizes))
     ]
     return torch.cat(outs).view(*x.shape[:-1], -1)
-
-
-def grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Name -> clone of ``.grad`` (None stays None)."""
-    return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
-
-
-def main_grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.main_grad.clone() for n, p in module.named_parameters() if hasattr(p, "main_grad")}
-
-
-def attach_main_grad(module: nn.Module, params: list[nn.Parameter] | None = None, seed: int = 0) -> None:
-    """Give ``params`` (default all) a random fp64 ``main_grad``, as a DDP buffer mid-accumulation."""
-    gen = torch.Generator().manual_seed(seed)
-    for p in module.parameters() if params is None else params:
-        p.main_grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)

@@ -13,7 +13,9 @@ import torch
 
 import splitgrad
 from splitgrad import ops
-from tests.ops._reference import assert_results_equal, attach_main_grad, grads_of, main_grads_of
+from splitgrad.testing import main_grads
+from tests.helpers import attach_main_grad, grads
+from tests.ops._reference import assert_results_equal
 
 D = torch.float64
 SIZES = [2, 0, 5]
@@ -61,7 +63,9 @@ def train(model: torch.nn.Module, extra: tuple, *, n_mb: int = 2, drain: str = "
 
 
 @pytest.mark.parametrize("drain", ["end", "each"])
-@pytest.mark.parametrize("kind", KINDS)
+# BasicLinear, Linear and the MLP run in tests/conformance (bitwise, drained per microbatch and at the end);
+# these two have what the suite's cases do not: an empty expert group and a gated MoE block.
+@pytest.mark.parametrize("kind", ["GroupedLinear", "moe"])
 def test_delayed_matches_immediate_bitwise(kind: str, drain: str) -> None:
     ref, extra = build(kind)
     ref_dx = train(ref, extra)
@@ -70,7 +74,7 @@ def test_delayed_matches_immediate_bitwise(kind: str, drain: str) -> None:
     assert splitgrad.pending_wgrad(model) == 0
     for a, b in zip(dx, ref_dx):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert_results_equal((dx[0], None, grads_of(model)), (ref_dx[0], None, grads_of(ref)))
+    assert_results_equal((dx[0], None, grads(model)), (ref_dx[0], None, grads(ref)))
 
 
 def test_forgotten_backward_dw_is_caught() -> None:
@@ -82,7 +86,7 @@ def test_forgotten_backward_dw_is_caught() -> None:
     assert splitgrad.pending_wgrad(model) == 4  # two deferred ops x two backwards
     with pytest.raises(AssertionError, match="None"):
         z = torch.zeros(1, dtype=D)
-        assert_results_equal((z, None, grads_of(model)), (z, None, grads_of(ref)))
+        assert_results_equal((z, None, grads(model)), (z, None, grads(ref)))
     with pytest.raises(RuntimeError, match="still pending"):
         splitgrad.ensure_no_pending_wgrad(model)
 
@@ -92,15 +96,15 @@ def test_forgotten_backward_dw_is_caught() -> None:
 def test_main_grad_path(kind: str, delay: bool) -> None:
     """main_grad is untouched by a delayed backward and gets exactly the immediate update at backward_dw."""
     model, extra = build(kind, delay=delay, main=True)
-    attach_main_grad(model, deferred_params(model))
-    before = main_grads_of(model)
+    attach_main_grad(model)
+    before = main_grads(model)
     dx = train(model, extra, n_mb=1, drain="none")
-    after_backward = main_grads_of(model)
+    after_backward = main_grads(model)
     if delay:
         for name, mg in before.items():
             torch.testing.assert_close(after_backward[name], mg, rtol=0, atol=0)
         splitgrad.backward_dw(model)
-    after = main_grads_of(model)
+    after = main_grads(model)
     for p in deferred_params(model):
         if p.dim() == 2:  # weights: main_grad only; GroupedLinear biases accumulate into .grad
             assert p.grad is None
@@ -108,15 +112,15 @@ def test_main_grad_path(kind: str, delay: bool) -> None:
     ref, extra = build(kind)
     ref_dx = train(ref, extra, n_mb=1)
     torch.testing.assert_close(dx[0], ref_dx[0], rtol=0, atol=0)
-    ref_grads = grads_of(ref)
+    ref_grads = grads(ref)
     for name in before:
         if ref_grads[name].dim() == 2:
             torch.testing.assert_close(after[name], before[name] + ref_grads[name], rtol=1e-12, atol=1e-12)
     if delay:  # delayed and immediate main_grad paths run the same addmm
         imm, extra = build(kind, main=True)
-        attach_main_grad(imm, deferred_params(imm))
+        attach_main_grad(imm)
         train(imm, extra, n_mb=1, drain="none")
-        for name, mg in main_grads_of(imm).items():
+        for name, mg in main_grads(imm).items():
             torch.testing.assert_close(after[name], mg, rtol=0, atol=0)
 
 
@@ -126,7 +130,7 @@ def test_main_grad_path(kind: str, delay: bool) -> None:
 def test_hooks_fire_once_per_op_after_gradients_are_written(delay: bool, main: bool, kind: str) -> None:
     model, extra = build(kind, delay=delay, main=main)
     if main:
-        attach_main_grad(model, deferred_params(model))
+        attach_main_grad(model)
     split_ops = [i for i, m in enumerate(model) if hasattr(m, "wgrad_store")]
     fired: list[tuple[int, torch.Tensor | None]] = []
     for i in split_ops:
@@ -214,7 +218,7 @@ def test_capture_wgrad_bundles_hold_op_tasks() -> None:
         model.backward_dw()
     for b in reversed(bundles):  # bundles are independent: any order
         b.run()
-    for (name, g), (_, rg) in zip(grads_of(model).items(), grads_of(ref).items()):
+    for (name, g), (_, rg) in zip(grads(model).items(), grads(ref).items()):
         torch.testing.assert_close(g, rg, rtol=1e-12, atol=1e-12, msg=name)
 
 

@@ -16,7 +16,8 @@ from torch import nn
 import splitgrad
 from splitgrad import ops
 from splitgrad.module.layernorm_mlp import LayerNormMLP
-from tests.ops._reference import assert_results_close, grads_of, run_module
+from tests.helpers import grads
+from tests.ops._reference import assert_results_close, run_module
 
 D = torch.float64
 
@@ -153,7 +154,7 @@ def test_ops_mlp_matches_layernorm_mlp_module(norm: str, act: str, delay: bool) 
         assert seq.fusers[0].backward_ops and all(p.grad is None for p in seq.get_backward_dw_params())
         splitgrad.backward_dw(seq)
         splitgrad.backward_dw(module)
-    g, rg = grads_of(seq), grads_of(module)
+    g, rg = grads(seq), grads(module)
     names = {
         "0.weight": "layer_norm_weight",
         "0.bias": "layer_norm_bias",

@@ -1,0 +1,81 @@
+"""Gradient snapshots and ``main_grad`` buffers shared by every test folder (one definition of each).
+
+Why here: four folders had their own ``grads()`` and three their own ``attach_main_grad`` with subtly
+different rules (which parameters get a buffer, which dtype, whether ``.grad`` or ``main_grad`` wins). A
+test comparing gradients must read them the way the library writes them, so there is one rule:
+
+* a parameter that has a ``main_grad`` buffer keeps its gradient there (fused accumulation writes it there,
+  ``.grad`` stays None); any other parameter keeps it in ``.grad``;
+* the parameters that get a buffer are the matrices a split-capable module writes itself — the 2-D entries
+  of ``get_backward_dw_params()`` over the split-capable submodules — as a data-parallel wrapper attaches them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import splitgrad
+
+__all__ = ["attach_main_grad", "fused_weights", "grads"]
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient, by name, cloned (None stays None).
+
+    Returns:
+        ``{name: main_grad}`` for parameters carrying a ``main_grad`` buffer, ``{name: .grad}`` for the rest.
+
+    Raises:
+        AssertionError: a parameter holds both a ``main_grad`` and a ``.grad`` — its gradient went to two places
+            (counted twice, or written where nobody reads it).
+    """
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in module.named_parameters():
+        main = getattr(p, "main_grad", None)
+        if main is not None and p.grad is not None:
+            raise AssertionError(f"{name}: has both main_grad and .grad (shape {tuple(p.shape)})")
+        g = main if main is not None else p.grad
+        out[name] = None if g is None else g.detach().clone()
+    return out
+
+
+def fused_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that need ``main_grad`` when fused: the 2-D ``get_backward_dw_params()`` of every
+    split-capable submodule of ``module`` (``module`` included), frozen ones left out, each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for _, m in splitgrad.split_modules(module):
+        for p in m.get_backward_dw_params():
+            if p.dim() == 2:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def attach_main_grad(
+    module: nn.Module,
+    *,
+    fill: float | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> list[nn.Parameter]:
+    """Give every :func:`fused_weights` parameter a ``main_grad`` buffer, as a data-parallel wrapper does.
+
+    Args:
+        module: the module (or model) whose split-capable submodules fuse into ``main_grad``.
+        fill: the buffer's constant value; None draws it at random (seeded), as a buffer mid-accumulation.
+        dtype: the buffer's dtype (default: each parameter's own; ``torch.float32`` for Megatron's fp32
+            buffers under bf16 parameters).
+        seed: seeds the random contents.
+
+    Returns:
+        The parameters that got a buffer (``(out, in)``-shaped buffers, same shape as the weight).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    params = fused_weights(module)
+    for p in params:
+        buf_dtype = p.dtype if dtype is None else dtype
+        if fill is None:
+            p.main_grad = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.device, buf_dtype)
+        else:
+            p.main_grad = torch.full(p.shape, fill, dtype=buf_dtype, device=p.device)
+    return params

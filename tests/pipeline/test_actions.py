@@ -33,7 +33,7 @@ def test_string_form_examples():
     assert Action.parse("3F7").kind is F
 
 
-@given(st.integers(0, 10_000), st.sampled_from(list(ActionKind)), st.integers(0, 10_000))
+@given(st.integers(0, 10_000), st.sampled_from([F, B, W, BW]), st.integers(0, 10_000))
 def test_string_form_round_trips(stage, kind, microbatch):
     action = Action(stage, kind, microbatch)
     assert parse_action(str(action)) == action

@@ -64,8 +64,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from ..store import WgradBundle, capture_wgrad
-from ..whole_model import split_modules
+from .. import WgradBundle, capture_wgrad, split_modules
 
 __all__ = ["SplitgradPipelineStage", "splitgrad_pipeline_stage"]
 

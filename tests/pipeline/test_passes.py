@@ -111,15 +111,15 @@ def test_misplaced_sync_points_are_rejected():
         validate(_with(lowered, 0, early))
     # RF moved before the last W.
     no_rf = [a for a in acts if a != Action(0, RF, None)]
-    late_w = no_rf[:-1] + [Action(0, RF, None), no_rf[-1]]
-    with pytest.raises(ScheduleError, match="0RF .* comes before stage 0's last compute action"):
+    late_w = [*no_rf[:-1], Action(0, RF, None), no_rf[-1]]
+    with pytest.raises(ScheduleError, match=r"0RF .* comes before stage 0's last compute action"):
         validate(_with(lowered, 0, late_w))
     with pytest.raises(ScheduleError, match="0RF appears 2 times"):
-        validate(_with(lowered, 0, acts + [Action(0, RF, None)]))
+        validate(_with(lowered, 0, [*acts, Action(0, RF, None)]))
     with pytest.raises(ScheduleError, match="takes no microbatch"):
-        validate(_with(lowered, 0, acts[:-1] + [Action(0, RF, 2)]))
+        validate(_with(lowered, 0, [*acts[:-1], Action(0, RF, 2)]))
     with pytest.raises(ScheduleError, match="belongs to rank 1"):
-        validate(_with(lowered, 0, acts + [Action(1, R, None)]))
+        validate(_with(lowered, 0, [*acts, Action(1, R, None)]))
     with pytest.raises(ValueError, match=r"stages \[5\] outside"):
         add_grad_sync(lowered, {5})
 

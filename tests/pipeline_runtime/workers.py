@@ -181,6 +181,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["timeline"] = timeline_check(rank, world, out_dir)
     results["negative"] = negative_check(world)
     results["posting"] = posting_order_check(world)
+    results["bitwise"] = bitwise_family_check(world)
     return results
 
 
@@ -233,6 +234,54 @@ def mlp_check(rank: int, world: int) -> dict:
     ref = {n: p.grad for n, p in reference.named_parameters()}
     out = compare(nn.Sequential(*blocks), rt, ref)
     out.update(loss=result.loss.item(), ref_loss=loss.item(), w_tasks=result.w_tasks)
+    return out
+
+
+class OverlapRecordingStage(nn.Sequential):
+    """A stage that takes overlapped F+B pairs itself (backward part first: the order is its choice)."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__(*blocks)
+        self.overlap_calls = 0
+
+    def overlapped_forward_backward(self, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        torch.autograd.backward(y, dy)
+        self.overlap_calls += 1
+        return self(x)
+
+
+def bitwise_family_check(world: int) -> dict:
+    """Every family (and dualpipev's overlapped pairs, through a stage hook and in order) on the MLP stack:
+    per-parameter gradients and the loss, to be compared bitwise with 1f1b's by the test process."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(16, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    runs = [(name, per_rank, {}, False) for name, per_rank in SCHEDULES]
+    runs += [("dualpipev", 2, {"overlap": False}, False), ("dualpipev", 2, {}, True)]
+    out: dict[str, dict] = {}
+    for name, per_rank, options, hook in runs:
+        blocks = mlp_blocks(delay=True)
+        n_stages = per_rank * world
+        sizes = [2, 2, 2, 1] if n_stages == 4 else [4, 3]
+        stages = sequential_stages(blocks, n_stages, sizes=sizes)
+        if hook:
+            stages = [OverlapRecordingStage(*stage) for stage in stages]
+        names = {id(p): n for n, p in nn.Sequential(*blocks).named_parameters()}
+        rt = build_runtime(
+            stages, name, n_microbatches=4, loss_fn=F.mse_loss, timeout=60, schedule_options=options or None
+        )
+        result = rt.step(x, y)
+        label = name + (" no-overlap" if options else "") + (" hook" if hook else "")
+        out[label] = {
+            "grads": {names[id(p)]: p.grad.clone() for p in rt.parameters()},
+            "loss": result.loss.item(),
+            "overlap_calls": sum(getattr(m, "overlap_calls", 0) for m in rt.stages.values()),
+            "overlapped_actions": sum(a.kind.value == "FB" for a in rt.actions),
+        }
+    reference = nn.Sequential(*mlp_blocks(delay=False))
+    loss = torch.stack([F.mse_loss(reference(a), b) for a, b in zip(x.split(4), y.split(4))]).mean()
+    loss.backward()
+    out["reference"] = {"grads": {n: p.grad for n, p in reference.named_parameters()}, "loss": loss.item()}
     return out
 
 

@@ -84,6 +84,22 @@ def test_every_family_bitwise_equal_to_1f1b(two_rank_results):
     assert not torch.equal(torch.nextafter(grad, grad + 1), grad)
 
 
+def test_profile_guided_zb_auto(two_rank_results):
+    """build_runtime(..., "auto"): both ranks profile, agree on one plan from the gathered costs, and the planned
+    steps give the profiling step's gradients bit for bit."""
+    results, _ = two_rank_results
+    runs = [res["auto"] for res in results]
+    for rank, run in enumerate(runs):
+        assert (run["before"], run["after"]) == ("1f1b", "zb-auto"), rank
+        assert run["bitwise"] and run["losses"][0] == run["losses"][1], rank
+        assert all(c > 0 for c in run["costs"]) and all(n > 0 for n in run["bytes"]), rank
+        assert 0 < run["w_memory"] <= 1 and run["limits"] == (4.0, 4.0)
+        assert run["peak_memory"] <= 4.0 + 1e-9
+    assert runs[0]["same_plan"] == runs[1]["same_plan"], "ranks planned different schedules"
+    assert runs[0]["costs"] == runs[1]["costs"]
+    assert "planned" in runs[0]["report"] and runs[1]["report"] is None
+
+
 def test_split_backward_moe_and_mlp_stack(two_rank_results):
     results, _ = two_rank_results
     for rank, res in enumerate(results):

@@ -182,6 +182,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["negative"] = negative_check(world)
     results["posting"] = posting_order_check(world)
     results["bitwise"] = bitwise_family_check(world)
+    results["auto"] = auto_check(world)
     return results
 
 
@@ -283,6 +284,50 @@ def bitwise_family_check(world: int) -> dict:
     loss.backward()
     out["reference"] = {"grads": {n: p.grad for n, p in reference.named_parameters()}, "loss": loss.item()}
     return out
+
+
+def auto_check(world: int) -> dict:
+    """Profile-guided zb-auto on the MLP stack: profile step (1F1B split), plan, then two planned steps."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(16, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    blocks = mlp_blocks(delay=True)
+    stages = sequential_stages(blocks, world, sizes=[4, 3])
+    rt = build_runtime(
+        stages,
+        "auto",
+        n_microbatches=4,
+        loss_fn=F.mse_loss,
+        timeout=60,
+        schedule_options={"memory_budget": 2.0},
+    )
+    before = rt.schedule.name
+    first = rt.step(x, y)
+    profiled = [p.grad.clone() for p in rt.parameters()]
+    plan = rt.planner.plan
+    rt.zero_grad()
+    second = rt.step(x, y)
+    report = rt.timeline_report(second)
+    return {
+        "before": before,
+        "after": rt.schedule.name,
+        "same_plan": rt.schedule.to_text(),
+        "losses": (first.loss.item(), second.loss.item()),
+        "bitwise": all(torch.equal(a, p.grad) for a, p in zip(profiled, rt.parameters())),
+        "costs": plan.f + plan.b + plan.w,
+        "bytes": plan.activation_bytes + plan.wgrad_bytes,
+        "w_memory": plan.w_memory,
+        "limits": plan.memory_limit,
+        "predicted": plan.predicted_bubble,
+        "peak_memory": simulate_plan_memory(plan),
+        "report": report,
+    }
+
+
+def simulate_plan_memory(plan) -> float:
+    from splitgrad.pipeline import simulate
+
+    return max(simulate(plan.schedule, w_memory=plan.w_memory).peak_memory)
 
 
 def reshape_check(world: int) -> dict:

@@ -219,6 +219,14 @@ class ActivationMeter:
         self.live: dict[tuple[int, int], int] = {}
         self.current = 0
         self.peak = 0
+        #: Per stage, every forward's saved bytes (``M_B``) and every ``B``'s kept bundle bytes (``M_W``), across
+        #: steps until :meth:`clear_samples` (what a profile-guided plan reads).
+        self.forward_bytes: dict[int, list[int]] = {}
+        self.held_bytes: dict[int, list[int]] = {}
+
+    def clear_samples(self) -> None:
+        self.forward_bytes.clear()
+        self.held_bytes.clear()
 
     def reset(self) -> None:
         self.live.clear()
@@ -242,6 +250,7 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
         self.live[(stage, microbatch)] = total
+        self.forward_bytes.setdefault(stage, []).append(total)
         self.current += total
         self.peak = max(self.peak, self.current)
 
@@ -249,6 +258,7 @@ class ActivationMeter:
         """After ``B``: the microbatch now keeps only ``nbytes`` (its bundle's operands) until ``W``."""
         self.current += nbytes - self.live.get((stage, microbatch), 0)
         self.live[(stage, microbatch)] = nbytes
+        self.held_bytes.setdefault(stage, []).append(nbytes)
 
     def release(self, stage: int, microbatch: int) -> None:
         self.current -= self.live.pop((stage, microbatch), 0)

@@ -150,17 +150,6 @@ class PipelineRuntime:
             for s, m in self.stages.items()
             if callable(getattr(m, "no_sync", None)) and callable(getattr(m, "finish_grad_sync", None))
         }
-        if self.grad_sync and not has_grad_sync(schedule):
-            schedule = self.schedule = add_grad_sync(schedule)
-        unsynced = [
-            s for s in self.grad_sync if Action(s, ActionKind.RF, None) not in schedule.rank_actions[rank]
-        ]
-        if unsynced:
-            raise ValueError(
-                f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
-                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.add_grad_sync"
-            )
-        self.actions = schedule.rank_actions[rank]
         self.first_stage, self.last_stage = 0, schedule.n_stages - 1
         if device is None:
             params = [p for m in self.stages.values() for p in m.parameters()]
@@ -180,19 +169,12 @@ class PipelineRuntime:
             loss_fn=loss_fn,
             meter=ActivationMeter() if track_memory else None,
         )
-        self.comm = (
-            PipelineComm(
-                schedule,
-                rank,
-                group=pp_group,
-                device=self.device,
-                timeout=self.timeout,
-                prefetch=bool(prefetch),
-                on_wait=self.recorder.comm,
-            )
-            if self._distributed
-            else None
-        )
+        self._prefetch = bool(prefetch)
+        self.comm: PipelineComm | None = None
+        #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
+        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.autoplan.ProfileGuidedPlanner`).
+        self.planner: Any = None
+        self.install_schedule(schedule, check=False)
         # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
         self._handlers: dict[ActionKind, Callable[[AnyAction, dict[Transfer, torch.Tensor]], None]] = {
             ActionKind.F: self._forward,
@@ -204,6 +186,48 @@ class PipelineRuntime:
             ActionKind.RF: self._finish_grad_sync,
         }
         self._sync_open: set[int] = set()
+
+    def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
+        """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
+        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.add_grad_sync` when a
+        local stage syncs gradients and the schedule has no sync points.
+
+        Raises:
+            ValueError: another stage layout or microbatch count, or a syncing stage without an ``RF`` point.
+        """
+        old = self.schedule
+        if check:
+            validate(schedule)
+            if (schedule.stage_to_rank, schedule.n_microbatches) != (old.stage_to_rank, old.n_microbatches):
+                raise ValueError(
+                    f"PipelineRuntime.install_schedule: {schedule.name!r} maps stages {schedule.stage_to_rank} "
+                    f"with {schedule.n_microbatches} microbatches; the runtime was built for "
+                    f"{old.stage_to_rank} with {old.n_microbatches}"
+                )
+        if self.grad_sync and not has_grad_sync(schedule):
+            schedule = add_grad_sync(schedule)
+        unsynced = [
+            s
+            for s in self.grad_sync
+            if Action(s, ActionKind.RF, None) not in schedule.rank_actions[self.rank]
+        ]
+        if unsynced:
+            raise ValueError(
+                f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
+                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.add_grad_sync"
+            )
+        self.schedule = schedule
+        self.actions = schedule.rank_actions[self.rank]
+        if self._distributed:
+            self.comm = PipelineComm(
+                schedule,
+                self.rank,
+                group=self.pp_group,
+                device=self.device,
+                timeout=self.timeout,
+                prefetch=self._prefetch,
+                on_wait=self.recorder.comm,
+            )
 
     def _own_stages(self, stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -303,6 +327,8 @@ class PipelineRuntime:
             w_tasks=executor.w_tasks,
         )
         executor.begin(None, None)
+        if self.planner is not None:
+            self.planner.observe(self, result)
         return result
 
     def _run(self, j: int, action: AnyAction) -> None:
@@ -452,4 +478,8 @@ class PipelineRuntime:
             raise ValueError("timeline_report: the step recorded no events (record_timeline=False?)")
         if prefix is not None:
             save_measured_timeline(events, self.schedule, prefix)
-        return bubble_report(events, self.schedule)
+        report = bubble_report(events, self.schedule)
+        plan = getattr(self.planner, "plan", None)
+        if plan is not None and plan.schedule is self.schedule:
+            report += f"; planned {100 * plan.predicted_bubble:.1f}% from the profiled costs"
+        return report

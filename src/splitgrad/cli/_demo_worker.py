@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 def stages_for(schedule: str, ranks: int, microbatches: int) -> int:
     """Total model stages that put ``schedule`` on ``ranks`` ranks (e.g. zbv holds two stages per rank)."""
+    if schedule in ("auto", "zb-auto"):  # profile-guided zb-auto: one stage per rank
+        return ranks
     probe = build_schedule(schedule, ranks, microbatches)
     if probe.n_ranks == ranks:
         return ranks

@@ -89,7 +89,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     defaults = DemoConfig()
-    parser.add_argument("--schedules", default=",".join(defaults.schedules), help="comma-separated names")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(defaults.schedules),
+        help="comma-separated names; 'auto' profiles the first step and plans zb-auto from the measured costs",
+    )
     for name, help_text in (
         ("ranks", "pipeline ranks (local processes, or the torchrun world size)"),
         ("microbatches", "microbatches per step"),

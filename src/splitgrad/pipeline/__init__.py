@@ -97,6 +97,7 @@ _RUNTIME_EXPORTS = {
     "PipelineRuntime": "runtime",
     "StepResult": "runtime",
     "build_runtime": "build",
+    "idle_breakdown": "measure",
     "bubble_report": "measure",
     "measured_bubble_ratio": "measure",
     "pipeline_groups": "build",

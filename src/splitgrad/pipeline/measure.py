@@ -11,6 +11,7 @@ span; ``(span - compute) / span``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import statistics
@@ -139,7 +140,9 @@ def idle_breakdown(events: Iterable[TimelineEvent]) -> dict[int, dict[str, float
             continue
         lo, hi = compute[0][0], max(end for _, end in compute)
         busy = sum(end - start for start, end in compute)
-        gaps = [(a_end, b_start) for (_, a_end), (b_start, _) in zip(compute, compute[1:]) if b_start > a_end]
+        gaps = [
+            (a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(compute) if b_start > a_end
+        ]
         waits = [(e.start, e.end) for e in evs if e.kind == "comm"]
         in_wait = 0.0
         for g0, g1 in gaps:

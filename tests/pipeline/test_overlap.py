@@ -109,3 +109,23 @@ def test_timelines_show_pairs_and_sync_points(tmp_path):
     assert {"0F3+3BW1", "0R", "3RF"} <= names
     pytest.importorskip("matplotlib")
     assert result.save_png(tmp_path / "dualpipev.png").stat().st_size > 0
+
+
+def test_graph_capture_order_takes_a_lowered_rank_list():
+    """A rank's action list goes to make_graphed_callables as its capture order: pairs capture both parts,
+    sync points nothing, so the lowered dualpipev list gives the unfused list's captures."""
+    from splitgrad.graphs.order import normalize_order
+
+    lowered = add_grad_sync(build_schedule("dualpipev", 4, 5))
+    plain = build_schedule("dualpipev", 4, 5, overlap=False)
+    for r in range(2):
+        stages = list(lowered.stages_of(r))
+        got = normalize_order(lowered.rank_actions[r], stages=stages, defers=[True, True])
+        want = normalize_order(plain.rank_actions[r], stages=stages, defers=[True, True])
+        assert got == want
+        strings = normalize_order(
+            [a.name for a in lowered.rank_actions[r]], stages=stages, defers=[True, True]
+        )
+        assert strings == want
+    with pytest.raises(ValueError, match="cannot parse capture-order entry"):
+        normalize_order(["0X1"], stages=[0], defers=[True])

@@ -87,6 +87,8 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
     report = runtime.timeline_report(result, out / f"timeline_{schedule}")  # the last step's timeline
     per_rank = [None] * cfg.ranks
     dist.all_gather_object(per_rank, {"activation_mib": peak_act / 2**20, "max_rss_mib": _max_rss_mib()})
+    # Release the process groups now, not whenever the runtime is collected: the caller destroys them next.
+    runtime.close()
     # Steady state: skip the first steps (allocator warm-up, first-touch of buffers).
     steady = durations[min(3, len(durations) - 1) :]
     return {

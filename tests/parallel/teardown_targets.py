@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import datetime
 import gc
 import os
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,19 +47,32 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, D, dtype=F64, generator=gen), torch.randn(BATCH, 3, dtype=F64, generator=gen)
 
 
-def ddp_and_runtime_once(rank: int, world_size: int, mode: str) -> dict[str, object]:
-    """One DDP step and one 2-rank pipeline step (float64, checked against plain autograd), then teardown.
+def lifecycles(rank: int, world_size: int, store_dir: str, modes: list[str]) -> list[dict[str, object]]:
+    """Per mode, a whole job's life: a fresh process group, a DDP step and a 2-rank pipeline step (float64,
+    checked against plain autograd), teardown, ``destroy_process_group()``.
 
     ``mode``: ``"close"`` closes both explicitly, ``"drop"`` just lets them go (they must be freed at once,
     without the garbage collector: nothing may keep the process group alive), ``"hold"`` keeps them in
-    :data:`HELD` past ``destroy_process_group`` until interpreter exit.
+    :data:`HELD` past ``destroy_process_group`` until interpreter exit. Runs with ``backend=None``: the
+    harness then only checks that the process exits 0.
     """
-    # Without the cycle collector, "freed" below means freed by reference counting, as at a function's end.
-    gc.disable()
-    try:
-        return _once(rank, world_size, mode)
-    finally:
-        gc.enable()
+    results = []
+    for i, mode in enumerate(modes):
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(os.path.join(store_dir, f"store{i}"), world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        # Without the cycle collector, "freed" means freed by reference counting, as at a function's end.
+        gc.disable()
+        try:
+            results.append(_once(rank, world_size, mode))
+        finally:
+            gc.enable()
+        dist.destroy_process_group()
+    return results
 
 
 def _once(rank: int, world_size: int, mode: str) -> dict[str, object]:

@@ -111,10 +111,18 @@ def _once(rank: int, world_size: int, mode: str) -> dict[str, object]:
             "forward after close": _error_of(ddp, x),
             "step after close": _error_of(runtime.step, x, y),
         }
+        # The same parameters can be wrapped again; the closed wrapper dying later must not touch them.
+        model.zero_grad(set_to_none=True)
+        again = DistributedDataParallel(model, broadcast_at_init=False)
     if mode == "hold":
         HELD.extend([ddp, runtime])
     del ddp, runtime, result
     out["alive after drop"] = sorted(k for k, r in refs.items() if r() is not None and mode != "hold")
+    if mode == "close":
+        out["rewrapped main_grad kept"] = all(hasattr(p, "main_grad") for p in model.parameters())
+        again.close()
+    if mode == "drop":  # a dropped wrapper detaches itself, like remove_hooks()
+        out["attrs left after drop"] = [n for n, p in model.named_parameters() if hasattr(p, "main_grad")]
     return out
 
 

@@ -52,6 +52,9 @@ def _check_run(i: int, mode: str, per_rank: list[dict]) -> None:
             assert closed["ddp.closed"] and not closed["main_grad left"] and not closed["group held"], closed
             assert "was closed" in closed["forward after close"], closed
             assert "step() after close()" in closed["step after close"], closed
+            assert out["rewrapped main_grad kept"], f"{where}: the closed wrapper stripped its successor"
+        if mode == "drop":
+            assert out["attrs left after drop"] == [], f"{where}: main_grad left by a dropped wrapper"
 
 
 def test_ddp_and_runtime_exit_cleanly_20_times(tmp_path):

@@ -77,6 +77,7 @@ class DistributedDataParallel(nn.Module):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self._closed = False
         self.config = DDPConfig(
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap_grad_reduce,
@@ -93,7 +94,9 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs torch.distributed initialised (init_process_group)"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        # The default group is looked up at each use, never stored: a reference held past
+        # destroy_process_group() keeps the group alive until interpreter exit, where gloo may abort.
+        self._group = process_group
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")
@@ -165,12 +168,18 @@ class DistributedDataParallel(nn.Module):
         # wrapper, and a stale main_grad would pin the buffer and refuse the next wrapper.
         self._finalizer = weakref.finalize(self, _detach, self._handles, self._params)
         self._finalizer.atexit = False
-        self._closed = False
         if self.config.broadcast_at_init:
             self.broadcast_params()
         logger.debug("%s", self)
 
     # -- public API ---------------------------------------------------------------------------------------
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (the default group, looked up now, when none was given); None once closed."""
+        if self._closed:
+            return None
+        return self._group if self._group is not None else dist.group.WORLD
+
     @property
     def buckets(self) -> tuple[Bucket, ...]:
         """The buckets, in the order their collectives are issued."""
@@ -289,6 +298,9 @@ class DistributedDataParallel(nn.Module):
     def remove_hooks(self) -> None:
         """Detach from the module: remove every hook and the ``main_grad`` attributes."""
         _detach(self._handles, self._params)
+        # Nothing left to clean up when the wrapper dies; running later, the finalizer would strip the
+        # main_grad of a wrapper built on these parameters since.
+        self._finalizer.detach()
 
     @property
     def closed(self) -> bool:
@@ -327,8 +339,7 @@ class DistributedDataParallel(nn.Module):
                     except RuntimeError as exc:
                         first_error = first_error or exc
             self.remove_hooks()
-            self._finalizer.detach()
-            self.process_group = None
+            self._group = None
         if first_error is not None:
             raise first_error
 

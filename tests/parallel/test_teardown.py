@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.testing import SpawnError, spawn
-from tests.parallel import spawn_targets, teardown_targets
+from tests.parallel import teardown_targets
 
 pytestmark = pytest.mark.distributed
 
@@ -37,7 +37,6 @@ def test_rank_dying_after_reporting_fails_the_run():
 def test_clean_exit_is_not_rejected():
     # The negative check above must not be trivially true: the same target without a crash passes.
     assert spawn(teardown_targets.report_then_exit, 2, {}, timeout=120) == [0, 1]
-    assert spawn(spawn_targets.all_reduce_ranks, 2)[1]["sum"] == 1.0
 
 
 def _check_run(i: int, mode: str, per_rank: list[dict]) -> None:

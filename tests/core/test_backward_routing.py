@@ -114,7 +114,7 @@ def test_routing_inside_capture_wgrad(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 # backward(create_graph=True) on purpose: torch warns about the parameter<->grad cycle it creates.
-@pytest.mark.filterwarnings("ignore:Using backward\(\) with create_graph=True:UserWarning")
+@pytest.mark.filterwarnings("ignore:Using backward:UserWarning")
 def test_create_graph(case):
     delayed, immediate = twins(case)
     xd, xi = inputs()

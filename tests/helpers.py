@@ -17,7 +17,7 @@ from torch import nn
 
 import splitgrad
 
-__all__ = ["attach_main_grad", "fused_weights", "grads"]
+__all__ = ["attach_main_grad", "fused_weights", "grads", "make_graphed"]
 
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -79,3 +79,15 @@ def attach_main_grad(
         else:
             p.main_grad = torch.full(p.shape, fill, dtype=buf_dtype, device=p.device)
     return params
+
+
+def make_graphed(callables, sample_args, **kwargs):
+    """``splitgrad.make_graphed_callables`` on the CPU graph emulator unless ``backend`` is given.
+
+    CI has no GPU and ``backend="auto"`` refuses CPU tensors (the emulator is slower than eager), so every
+    capture-logic test opts in to the test double here, in one place.
+    """
+    from splitgrad.testing import CpuGraphBackend
+
+    kwargs.setdefault("backend", CpuGraphBackend())
+    return splitgrad.make_graphed_callables(callables, sample_args, **kwargs)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from splitgrad.pipeline import build_schedule, channel_order_problems
-from splitgrad.testing.spawn import spawn
+from splitgrad.testing import spawn
 
 from . import workers
 

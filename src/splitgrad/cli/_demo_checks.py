@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .demo import DemoConfig
+    from ._demo_config import DemoConfig
 
 __all__ = [
     "check_config",

@@ -24,10 +24,11 @@ from .basic import (
 from .fused import (
     BackwardActivationBias,
     ForwardLinearBiasActivation,
+    default_fusions,
     fuse_backward_activation_bias,
     fuse_forward_linear_bias_activation,
 )
-from .fuser import FusionFn, FusionRegistry, OperationFuser, default_fusions
+from .fuser import FusionFn, FusionRegistry, OperationFuser
 from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential, WgradHookHandles

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitgrad.pipeline import build_schedule, channel_order_problems
+from splitgrad.pipeline import build_schedule
+from splitgrad.pipeline.validate import channel_order_problems
 from splitgrad.testing import spawn
 
 from . import workers

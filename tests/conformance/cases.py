@@ -22,9 +22,9 @@ Adding a class is one entry in :data:`CASES`::
 are not the identity and biases not zero. ``reference(params, x)`` gets ``{name: float64 tensor}`` of the
 layer's ``named_parameters()``. Leave ``modes`` out when the class supports all four, set ``call`` when it
 takes more than ``x``, ``frozen`` to the parameter names to freeze in the frozen-parameter check (empty: the
-check is skipped), ``graphed=True`` to run the case through ``splitgrad.make_graphed_callables`` (CPU
-stand-in), and ``bundles=False`` when its deferred work cannot go into ``capture_wgrad`` bundles.
-``examples/custom_split_layer.py``, the extension example, is meant to be added here this way.
+check is skipped), ``graphed=True`` to run the case through ``splitgrad.make_graphed_callables`` (on the CPU
+graph emulator, ``splitgrad.testing.CpuGraphBackend``), and ``bundles=False`` when its deferred work cannot go into ``capture_wgrad`` bundles.
+``examples/custom_split_layer.py``, the extension example, is registered this way (``examples.SplitEmbedding``).
 """
 
 from __future__ import annotations

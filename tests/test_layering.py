@@ -102,6 +102,26 @@ def layering_problems(graph: dict[str, set[str]]) -> list[str]:
     return problems
 
 
+def private_name_imports(module: str, source: str, *, is_package: bool = False) -> list[str]:
+    """``from <another package> import _name`` in ``source`` (the file of ``module``)."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if target.split(".")[0] != "splitgrad" or _part(target) == _part(module):
+            continue
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                problems.append(f"{module} imports the private name {alias.name} from {target}")
+    return problems
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -145,6 +165,22 @@ def test_every_layer_is_known():
 def test_imports_point_one_way():
     problems = layering_problems(_graph())
     assert not problems, "\n".join(problems)
+
+
+def test_no_private_names_across_packages():
+    problems = [
+        problem
+        for path in SRC.rglob("*.py")
+        for problem in private_name_imports(
+            _module_name(path), path.read_text(), is_package=path.name == "__init__.py"
+        )
+    ]
+    assert not problems, "\n".join(problems)
+    # Negative check: the scan reports one.
+    bad = private_name_imports("splitgrad.ops.linear", "from ..module.linear import _LinearFunction\n")
+    assert bad == [
+        "splitgrad.ops.linear imports the private name _LinearFunction from splitgrad.module.linear"
+    ]
 
 
 def test_no_import_cycles_between_packages():

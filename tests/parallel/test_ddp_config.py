@@ -7,28 +7,19 @@ the same typed config (``ddp=``) instead of a dict. A one-rank gloo group in thi
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import splitgrad
 from splitgrad.parallel import DDPConfig, DistributedDataParallel
 from splitgrad.pipeline import build_runtime
+from tests.helpers import one_rank_group
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    yield from one_rank_group(tmp_path_factory)
 
 
 def _layer() -> torch.nn.Module:

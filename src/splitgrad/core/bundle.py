@@ -13,6 +13,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
+from .capture_stack import CAPTURES as _CAPTURES
 from .task import WgradTask
 
 __all__ = ["WgradBundle", "active_bundle", "capture_wgrad"]
@@ -130,50 +131,6 @@ class WgradBundle:
 
     def __repr__(self) -> str:
         return f"WgradBundle(tasks={len(self._tasks)}, outstanding={self.outstanding}, state={self._state})"
-
-
-class _CaptureStack:
-    """Process-wide stack of open capture bundles.
-
-    Process-wide on purpose (an exception to "no module-level state"): CUDA backward runs on autograd's own
-    device threads, which inherit neither thread-locals nor contextvars from the thread that called
-    ``loss.backward()``, so a per-thread stack would silently miss tasks deferred there. For the same reason a
-    second thread may not open a capture while one is open: its tasks would land in the other's bundle.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[WgradBundle] = []
-        self._thread: int | None = None
-        self._lock = threading.Lock()
-
-    def push(self, bundle: WgradBundle) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            if self._stack and self._thread != me:
-                raise RuntimeError(
-                    f"capture_wgrad opened in thread {me} while thread {self._thread} has one open; captures are "
-                    "process-wide (autograd's device threads must see them), so two threads cannot capture at "
-                    "once: serialise the backward passes you capture"
-                )
-            self._thread = me
-            self._stack.append(bundle)
-
-    def pop(self, bundle: WgradBundle) -> None:
-        with self._lock:
-            on_top = bool(self._stack) and self._stack[-1] is bundle
-            # Remove it either way, so one misuse cannot leave a stale bundle swallowing all later work.
-            self._stack[:] = [b for b in self._stack if b is not bundle]
-            if not self._stack:
-                self._thread = None
-        if not on_top:
-            raise RuntimeError("capture_wgrad blocks must be exited in the reverse order they were entered")
-
-    def top(self) -> WgradBundle | None:
-        with self._lock:
-            return self._stack[-1] if self._stack else None
-
-
-_CAPTURES = _CaptureStack()
 
 
 def active_bundle() -> WgradBundle | None:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from torch.utils.hooks import RemovableHandle
 
+from .capture_stack import CAPTURES
+
 if TYPE_CHECKING:
     from .task import WgradTask
 
@@ -182,9 +184,7 @@ class WeightGradStore:
     # -- the queue --------------------------------------------------------------------------------------
     def defer(self, task: WgradTask) -> None:
         """Park ``task``: in the innermost active :func:`~splitgrad.capture_wgrad` bundle if any, else queue it."""
-        from .bundle import active_bundle  # bundle.py builds on this module
-
-        bundle = active_bundle()
+        bundle = CAPTURES.top()  # the innermost open capture_wgrad bundle, if any
         if bundle is None:
             self._enqueue(task)
         else:

@@ -4,7 +4,8 @@ A ``W`` feeds no other action, so where it runs only matters to its own rank: it
 ``F``/``B`` input, or it delays that ``F``/``B`` if it runs past the input's arrival. :func:`refill_w` replays
 each rank's ``F``/``B`` (and ``BW``) order under the costs and, before each one, runs pending ``W`` (oldest
 first) while they end no later than ``slack`` of a ``W`` after the input arrives — plus any the memory limit
-forces before an ``F`` — and the rest at the end. Because a ``W`` has no consumer, the decision can wait until
+forces before an ``F`` — and the rest at the end. Before a ``B`` of stage 0, whose output nobody waits for, a
+``W`` may start whenever the input has not arrived yet. Because a ``W`` has no consumer, the decision can wait until
 the input's arrival time is known: the ``W`` s are placed at the rank's free time retroactively, which changes
 nothing another rank has seen. The F/B order, hence validity and the in-flight count, is the base schedule's.
 """
@@ -32,6 +33,7 @@ def refill_w(
     limits: Sequence[float],
     w_memory: float = 1.0,
     slack: float = 0.0,
+    tail_only: bool = False,
 ) -> Schedule:
     """``schedule`` with its ``W`` actions re-placed for the costs (see the module docstring).
 
@@ -43,6 +45,8 @@ def refill_w(
         w_memory: ``M_W / M_B``.
         slack: how far (in units of that ``W``'s cost) a filling ``W`` may run past the next input's
             arrival; 0 fills only gaps it fits in, ``math.inf`` runs every pending ``W`` as early as possible.
+        tail_only: keep every ``W`` a rank runs before its last ``F`` where it is and re-place only those
+            after it (the cool-down, where input gradients should go first and ``W`` fill the waits).
 
     Returns:
         A schedule with the same ``F``/``B`` order per rank and every ``W`` after its ``B``.
@@ -56,7 +60,9 @@ def refill_w(
     for r, acts in enumerate(schedule.rank_actions):
         if any(type(a) is OverlapAction or a.kind not in (_F, _B, _W, _BW) for a in acts):
             raise ValueError(f"refill_w: rank {r} of {schedule.name!r} holds sync points or overlapped pairs")
-        orders.append([a for a in acts if a.kind is not _W])
+        last_f = max((j for j, a in enumerate(acts) if a.kind is _F), default=-1) if tail_only else -1
+        orders.append([a for j, a in enumerate(acts) if a.kind is not _W or j < last_f])
+    fixed_w = [{(a.stage, a.microbatch) for a in order if a.kind is _W} for order in orders]
     fend = [[math.nan] * m for _ in range(n)]
     bend = [[math.nan] * m for _ in range(n)]
     n_ranks = len(orders)
@@ -90,14 +96,24 @@ def refill_w(
             order = orders[r]
             while pos[r] < len(order):
                 a = order[pos[r]]
+                if a.kind is _W:  # kept in place (tail_only): its B ran earlier on this rank
+                    out[r].append(a)
+                    free[r] += w[a.stage]
+                    live[r] -= w_memory
+                    pos[r] += 1
+                    progress = True
+                    continue
                 t_in = ready(a)
                 if t_in != t_in:  # NaN: wait for the producer
                     break
                 if a.kind is _F:  # memory the limit forces free first
                     while pending[r] and live[r] + 1.0 > limits[r] + 1e-9:
                         run_w(r)
+                # Stage 0's input gradient feeds nobody: delaying it costs only this rank's own time, so a W
+                # may start whenever that input has not arrived yet (never idle while work is owed).
+                give = max(slack, 1.0) if a.kind is not _F and a.stage == 0 else slack
                 while pending[r] and (
-                    slack == math.inf or free[r] + w[pending[r][0].stage] * (1.0 - slack) <= t_in + 1e-12
+                    give == math.inf or free[r] + w[pending[r][0].stage] * (1.0 - give) <= t_in + 1e-12
                 ):
                     run_w(r)
                 start = max(free[r], t_in)
@@ -108,7 +124,8 @@ def refill_w(
                 elif a.kind is _B:
                     cost = b[s]
                     live[r] -= 1.0 - w_memory
-                    pending[r].append(Action(s, _W, i))
+                    if (s, i) not in fixed_w[r]:
+                        pending[r].append(Action(s, _W, i))
                 else:
                     cost = b[s] + w[s]
                     live[r] -= 1.0

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 _EPS = 1e-9
 _INF = math.inf
-_SLACKS = (0.0, 0.5, math.inf)  # how far a filling W may run past the next input (in W costs)
+_SLACKS = (0.0, 0.5, 1.0, math.inf)  # how far a filling W may run past the next input (in W costs)
 
 
 def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
@@ -318,21 +318,27 @@ def zbv_auto_candidates(
                         ),
                     )
 
-    # The fixed V re-placed: its F/B order kept, its W moved into the waits the costs leave.
-    if candidates and candidates[0].label == "zbv":
-        fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
-        for slack in _SLACKS:
+    # Each plan's cool-down re-placed (input gradients first, W into the waits), and the fixed V's W
+    # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's.
+    fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
+    comm_f = as_cost("comm", comm)
+    for base in list(candidates):
+        variants = [(s, True) for s in _SLACKS] + (
+            [(s, False) for s in _SLACKS] if base.label == "zbv" else []
+        )
+        for slack, tail_only in variants:
             refilled = refill_w(
-                candidates[0].schedule,
+                base.schedule,
                 fc,
                 bc,
                 wc,
-                as_cost("comm", comm),
+                comm_f,
                 limits=limits,
                 w_memory=w_memory,
                 slack=slack,
+                tail_only=tail_only,
             )
-            consider(f"zbv + refill_w(slack={slack})", refilled)
+            consider(f"{base.label} + refill_w(slack={slack}{', tail' if tail_only else ''})", refilled)
 
     def key(c: ZbvCandidate) -> tuple[float, float, float]:
         spans = [hi - lo for lo, hi in c.result.rank_spans]

@@ -15,11 +15,14 @@ way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it pick
   next input can arrive (``fill="fit"``) or when the rank is at its memory limit;
 * otherwise it waits.
 
-:func:`zbv_auto` runs this for several warm-up caps, fill rules and priorities, adds the fixed ``zbv``,
-simulates every candidate under the given costs and memory model, and returns the best (shortest
-longest-rank span, then makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits
-the memory limit (it does at the default ``2p``), zbv-auto is never worse than ``zbv`` at the same memory.
-A greedy pass that stalls (memory full on every rank that could unblock another) is dropped, not returned.
+:func:`zbv_auto` runs this for several in-flight depths, fill rules and priorities, adds the fixed ``zbv``,
+then re-places the ``W`` of the best few plans' cool-downs (and of the fixed V throughout) with
+:func:`~splitgrad.pipeline.schedules.w_refill.refill_w`: in the paper's settings the fixed V loses its bubble
+at the end, where it runs a ``W`` while an input gradient other ranks wait for is ready. Every candidate is
+simulated under the given costs and memory model and the best is returned (shortest longest-rank span, then
+makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits the memory limit (it
+does at the default ``2p``), zbv-auto is never worse than ``zbv`` at the same memory. A greedy pass that
+stalls (memory full on every rank that could unblock another) is dropped, not returned.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ logger = logging.getLogger(__name__)
 _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 _EPS = 1e-9
 _INF = math.inf
-_SLACKS = (0.0, 0.5, 1.0, math.inf)  # how far a filling W may run past the next input (in W costs)
+_SLACKS = (0.0, 0.5, 1.0, math.inf)
+_REFILL_BASES = 4  # how far a filling W may run past the next input (in W costs)
 
 
 def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
@@ -318,11 +322,18 @@ def zbv_auto_candidates(
                         ),
                     )
 
-    # Each plan's cool-down re-placed (input gradients first, W into the waits), and the fixed V's W
-    # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's.
+    def key(c: ZbvCandidate) -> tuple[float, float, float]:
+        spans = [hi - lo for lo, hi in c.result.rank_spans]
+        return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
+
+    # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W
+    # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's. Only the best
+    # _REFILL_BASES greedy plans: re-placing the W of a poor F/B order does not make it a good one.
     fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
     comm_f = as_cost("comm", comm)
-    for base in list(candidates):
+    candidates.sort(key=key)
+    bases = candidates[:_REFILL_BASES] + [c for c in candidates[_REFILL_BASES:] if c.label == "zbv"]
+    for base in bases:
         variants = [(s, True) for s in _SLACKS] + (
             [(s, False) for s in _SLACKS] if base.label == "zbv" else []
         )
@@ -339,10 +350,6 @@ def zbv_auto_candidates(
                 tail_only=tail_only,
             )
             consider(f"{base.label} + refill_w(slack={slack}{', tail' if tail_only else ''})", refilled)
-
-    def key(c: ZbvCandidate) -> tuple[float, float, float]:
-        spans = [hi - lo for lo, hi in c.result.rank_spans]
-        return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
 
     candidates.sort(key=key)
     return candidates

@@ -5,7 +5,7 @@ A ``W`` feeds no other action, so where it runs only matters to its own rank: it
 each rank's ``F``/``B`` (and ``BW``) order under the costs and, before each one, runs pending ``W`` (oldest
 first) while they end no later than ``slack`` of a ``W`` after the input arrives — plus any the memory limit
 forces before an ``F`` — and the rest at the end. Before a ``B`` of stage 0, whose output nobody waits for, a
-``W`` may start whenever the input has not arrived yet. Because a ``W`` has no consumer, the decision can wait until
+``W`` may start whenever the input has not arrived yet, once the rank has no ``F`` left. Because a ``W`` has no consumer, the decision can wait until
 the input's arrival time is known: the ``W`` s are placed at the rank's free time retroactively, which changes
 nothing another rank has seen. The F/B order, hence validity and the in-flight count, is the base schedule's.
 """
@@ -62,6 +62,7 @@ def refill_w(
             raise ValueError(f"refill_w: rank {r} of {schedule.name!r} holds sync points or overlapped pairs")
         last_f = max((j for j, a in enumerate(acts) if a.kind is _F), default=-1) if tail_only else -1
         orders.append([a for j, a in enumerate(acts) if a.kind is not _W or j < last_f])
+    last_f = [max((j for j, a in enumerate(order) if a.kind is _F), default=-1) for order in orders]
     fixed_w = [{(a.stage, a.microbatch) for a in order if a.kind is _W} for order in orders]
     fend = [[math.nan] * m for _ in range(n)]
     bend = [[math.nan] * m for _ in range(n)]
@@ -109,9 +110,9 @@ def refill_w(
                 if a.kind is _F:  # memory the limit forces free first
                     while pending[r] and live[r] + 1.0 > limits[r] + 1e-9:
                         run_w(r)
-                # Stage 0's input gradient feeds nobody: delaying it costs only this rank's own time, so a W
-                # may start whenever that input has not arrived yet (never idle while work is owed).
-                give = max(slack, 1.0) if a.kind is not _F and a.stage == 0 else slack
+                # After the rank's last F, stage 0's input gradient feeds nobody: delaying it costs only this
+                # rank's own time, so a W may start whenever that input has not arrived yet.
+                give = max(slack, 1.0) if a.stage == 0 and pos[r] > last_f[r] else slack
                 while pending[r] and (
                     give == math.inf or free[r] + w[pending[r][0].stage] * (1.0 - give) <= t_in + 1e-12
                 ):

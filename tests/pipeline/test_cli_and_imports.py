@@ -58,6 +58,10 @@ def test_cli_ascii_text_and_auto(capsys):
     )
     out = capsys.readouterr().out
     assert "schedule zb-auto" in out and "r2  |" in out
+    # zbv-auto plans with the CLI's costs: W twice F gives zero bubble where the fixed zbv has 3.03 %.
+    args = ["--stages", "8", "--microbatches", "8", "--w", "2"]
+    assert _run(["schedule", "zbv-auto", *args]) == 0 and "bubble 0.00%" in capsys.readouterr().out
+    assert _run(["schedule", "zbv", *args]) == 0 and "bubble 3.03%" in capsys.readouterr().out
     assert _run(["schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--text", "--b", "2,1"]) == 0
     assert "rank 1: 1F0 1BW0 1F1 1BW1" in capsys.readouterr().out
 

@@ -27,8 +27,9 @@ ROWS = [
     ("28.3B", 32, 128, 10.408, 10.204, 7.703, 0.408, 0.1106, 0.0029),
     ("28.3B", 32, 256, 10.402, 10.248, 7.698, 0.460, 0.0594, 0.0018),
 ]
-#: Known miss, kept as a regression bound: zb-auto reaches 0.0054 here, the target is 0.0018 + 0.002.
-KNOWN_GAP = {("28.3B", 32, 256): 0.0055}
+#: Known miss, kept as a regression bound: zb-auto reaches 0.0047 here (0.0054 before the "reserve" fill),
+#: the target is 0.0018 + 0.002.
+KNOWN_GAP = {("28.3B", 32, 256): 0.0048}
 
 
 def w_memory_of(model: str) -> float:

@@ -22,7 +22,7 @@ GRID = [(1, 1), (1, 3), (2, 1), (2, 3), (3, 2), (3, 5), (4, 3), (4, 8), (4, 9), 
 
 
 def _stages(name: str, p: int) -> int:
-    return 2 * p if name in ("zbv", "dualpipev", "interleaved-1f1b") else p
+    return 2 * p if name in ("zbv", "zbv-auto", "dualpipev", "interleaved-1f1b") else p
 
 
 def _expected_to_build(name: str, p: int, m: int) -> bool:
@@ -43,6 +43,7 @@ def test_registry_names():
         "zbv",
         "dualpipev",
         "zb-auto",
+        "zbv-auto",
     }
     assert schedule_options("interleaved-1f1b") == ("stages_per_rank", "split_backward")
     assert schedule_options("zb-h1") == ()

@@ -80,6 +80,9 @@ def test_every_family_bitwise_equal_to_1f1b(two_rank_results):
     assert runs["dualpipev"]["fb"] > 0 and runs["dualpipev"]["calls"] == 0
     assert runs["dualpipev hook"]["calls"] == runs["dualpipev hook"]["fb"] > 0
     assert runs["dualpipev no-overlap"]["fb"] == 0
+    # zbv-auto planned with B twice F runs an order the fixed zbv does not (so its equality above means something).
+    costed = build_schedule("zbv-auto", 4, 4, f=1.0, b=2.0, w=0.5)
+    assert "zbv-auto costed" in runs and costed.rank_actions != build_schedule("zbv", 4, 4).rank_actions
     # Not trivially passing: a gradient off by one ulp is told apart.
     name, grad = next(iter(base["grads"].items()))
     assert not torch.equal(torch.nextafter(grad, grad + 1), grad)

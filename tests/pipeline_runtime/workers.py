@@ -304,6 +304,8 @@ def bitwise_family_check(world: int) -> dict:
     y = torch.randn(16, 5, generator=gen, dtype=torch.float64)
     runs = [(name, per_rank, {}, False) for name, per_rank in SCHEDULES]
     runs += [("dualpipev", 2, {"overlap": False}, False), ("dualpipev", 2, {}, True)]
+    # A cost-aware V whose order differs from the fixed zbv's (B twice F, W half F).
+    runs += [("zbv-auto", 2, {"f": 1.0, "b": 2.0, "w": 0.5}, False)]
     out: dict[str, dict] = {}
     for name, per_rank, options, hook in runs:
         blocks = mlp_blocks(delay=True)
@@ -317,7 +319,8 @@ def bitwise_family_check(world: int) -> dict:
             stages, name, n_microbatches=4, loss_fn=F.mse_loss, timeout=60, schedule_options=options or None
         )
         result = rt.step(x, y)
-        label = name + (" no-overlap" if options else "") + (" hook" if hook else "")
+        label = name + (" no-overlap" if "overlap" in options else "") + (" costed" if "f" in options else "")
+        label += " hook" if hook else ""
         out[label] = {
             "grads": {names[id(p)]: p.grad.clone() for p in rt.parameters()},
             "loss": result.loss.item(),

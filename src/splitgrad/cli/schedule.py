@@ -44,7 +44,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b: stages per rank (default 2)")
     parser.add_argument("--split-backward", action="store_true", help="gpipe/1f1b/interleaved: B + W, not BW")
-    parser.add_argument("--memory-limit", type=int, help="zb-auto: activations per rank (default: stages)")
+    parser.add_argument(
+        "--memory-limit", type=int, help="zb-auto / zbv-auto: activations per rank (default: stages)"
+    )
     parser.add_argument("--f", type=parse_costs, default=1.0, help="forward cost, one or one per stage")
     parser.add_argument("--b", type=parse_costs, default=1.0, help="input-gradient cost")
     parser.add_argument("--w", type=parse_costs, default=1.0, help="weight-gradient cost")
@@ -65,7 +67,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         options["stages_per_rank"] = args.stages_per_rank
     if args.split_backward:
         options["split_backward"] = True
-    if args.name == "zb-auto":
+    if args.name in ("zb-auto", "zbv-auto"):
         options.update(f=args.f, b=args.b, w=args.w, comm=args.comm)
     if args.memory_limit is not None:
         options["memory_limit"] = args.memory_limit

@@ -9,10 +9,12 @@ from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .registry import build_schedule, schedule_names, schedule_options
 from .zbv import zbv
+from .zbv_auto import ZbvCandidate, zbv_auto, zbv_auto_candidates
 from .zero_bubble import zb_h1, zb_h2
 
 __all__ = [
     "AutoCandidate",
+    "ZbvCandidate",
     "auto_candidates",
     "build_schedule",
     "dualpipev",
@@ -26,4 +28,6 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "zbv",
+    "zbv_auto",
+    "zbv_auto_candidates",
 ]

@@ -25,6 +25,7 @@ the candidates whenever the limit allows ``p`` activations, zb-auto is never wor
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 from collections import deque
@@ -93,7 +94,8 @@ def greedy_schedule(
         w_memory: ``M_W / M_B``, what a ``B`` keeps for its ``W`` (see :func:`splitgrad.pipeline.simulate`).
         warmup: per-rank cap on forwards before the rank's first ``B`` (default: the memory limit).
         fill: ``"eager"`` runs a pending ``W`` whenever nothing else is ready; ``"fit"`` only when it ends
-            before the next input can arrive.
+            before the next input can arrive; ``"reserve"`` as eager while more than one ``W`` is pending, then
+            as fit (one ``W`` kept back to fill a later wait: at the memory limit a rank can otherwise starve).
         alternate: when both an ``F`` and a ``B`` are ready, alternate them (else ``B`` always first).
         warmup_deadline: also stop a rank's warm-up forwards (before its first ``B``) once one would end
             later than ``warmup_deadline`` forward costs after the earliest moment its first input gradient
@@ -104,8 +106,8 @@ def greedy_schedule(
         A valid schedule whose peak activations respect ``memory_limit``.
     """
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
-    if fill not in ("eager", "fit"):
-        raise ValueError(f"zb-auto: fill must be 'eager' or 'fit', got {fill=}")
+    if fill not in ("eager", "fit", "reserve"):
+        raise ValueError(f"zb-auto: fill must be 'eager', 'fit' or 'reserve', got {fill=}")
     p, m = n_stages, n_microbatches
     fc, bc, wc = stage_costs(f, p, "f"), stage_costs(b, p, "b"), stage_costs(w, p, "w")
     limits = _memory_limits(memory_limit, p)
@@ -187,7 +189,12 @@ def greedy_schedule(
             choice = _B
         elif f_now:
             choice = _F
-        elif pending[s] and (fill == "eager" or min(lf, lb) >= t + wc[s] or not (f_allowed or b_allowed)):
+        elif pending[s] and (
+            fill == "eager"
+            or (fill == "reserve" and len(pending[s]) > 1)
+            or min(lf, lb) >= t + wc[s]
+            or not (f_allowed or b_allowed)
+        ):
             choice = _W
         else:
             known = [x for x in (tf, tb) if x is not None]
@@ -292,9 +299,11 @@ def auto_candidates(
     # With room for more than 2p - 1 activations (the paper's ZB-2p under its memory model), warm up one
     # forward deeper but stop where a forward would hold up the first input gradient on its way back.
     deep = tuple(min(int(limits[s]), 2 * (p - s)) for s in range(p))
-    for deadline in (0.0, 0.5) if max(limits) >= 2 * p - 1 else ():
+    for deadline, fill in (
+        itertools.product((0.0, 0.5), ("eager", "reserve")) if max(limits) >= 2 * p - 1 else ()
+    ):
         consider(
-            f"greedy(zb-2p-warmup, deadline={deadline})",
+            f"greedy(zb-2p-warmup, deadline={deadline}, fill={fill})",
             greedy_schedule(
                 p,
                 m,
@@ -306,6 +315,7 @@ def auto_candidates(
                 w_memory=w_memory,
                 warmup=deep,
                 warmup_deadline=deadline,
+                fill=fill,
             ),
         )
     for label, builder in (("1f1b-split", None), ("zb-h1", zb_h1), ("zb-h2", zb_h2)):

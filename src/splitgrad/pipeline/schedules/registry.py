@@ -14,6 +14,7 @@ from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .zbv import zbv
+from .zbv_auto import zbv_auto
 from .zero_bubble import zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "build_schedule", "schedule_names", "schedule_options"]
@@ -28,12 +29,19 @@ SCHEDULES: MappingProxyType[str, Callable[..., Schedule]] = MappingProxyType(
         "zbv": zbv,
         "dualpipev": dualpipev,
         "zb-auto": zb_auto,
+        "zbv-auto": zbv_auto,
     }
 )
 """Read-only map from schedule name to its builder ``(n_stages, n_microbatches, **options) -> Schedule``."""
 
 _ALIASES = MappingProxyType(
-    {"interleaved": "interleaved-1f1b", "zb-v": "zbv", "zbh1": "zb-h1", "zbh2": "zb-h2"}
+    {
+        "interleaved": "interleaved-1f1b",
+        "zb-v": "zbv",
+        "zb-v-auto": "zbv-auto",
+        "zbh1": "zb-h1",
+        "zbh2": "zb-h2",
+    }
 )
 
 
@@ -56,18 +64,19 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
     """Build the schedule family ``name`` for ``n_stages`` model stages and ``n_microbatches`` microbatches.
 
     ``n_stages`` counts model stages, as in ``torch.distributed.pipelining``; families with several stages
-    per rank use ``n_stages / stages_per_rank`` ranks (``zbv`` and ``dualpipev``: 2; ``interleaved-1f1b``:
+    per rank use ``n_stages / stages_per_rank`` ranks (``zbv``, ``zbv-auto`` and ``dualpipev``: 2; ``interleaved-1f1b``:
     option ``stages_per_rank``, default 2).
 
     Args:
         name: one of :func:`schedule_names` (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``,
-            ``"zb-h2"``, ``"zbv"``, ``"dualpipev"``, ``"zb-auto"``).
+            ``"zb-h2"``, ``"zbv"``, ``"dualpipev"``, ``"zb-auto"``, ``"zbv-auto"``).
         n_stages: total model stages.
         n_microbatches: microbatches per step.
         **options: family options: ``split_backward`` (gpipe, 1f1b, interleaved-1f1b), ``stages_per_rank``
             (interleaved-1f1b), ``overlap`` (dualpipev: overlapped ``F+BW`` pairs, default True),
             ``f``/``b``/``w``/``comm``/``memory_limit``/``w_memory`` (zb-auto; ``memory_limit`` in units of one
-            activation ``M_B``, ``w_memory = M_W / M_B`` the paper's memory model).
+            activation ``M_B``, ``w_memory = M_W / M_B`` the paper's memory model); the same for zbv-auto (the
+            cost-aware ZB-V, ``memory_limit`` in stage activations, default ``n_stages``).
 
     Counts (``n_stages``, ``n_microbatches``, ``stages_per_rank``, ``memory_limit``, ``warmup``) may be any
     integral number (``8``, ``numpy.int64(8)``, ``8.0``); costs any finite real number (``numpy.float32``).

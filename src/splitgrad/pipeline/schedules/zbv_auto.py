@@ -1,0 +1,396 @@
+"""zbv-auto: a cost-aware ZB-V from F/B/W/comm costs under a per-rank memory limit.
+
+The fixed :func:`~splitgrad.pipeline.schedules.zbv.zbv` pattern is bubble-free when ``F = B = W`` and transfers
+are free; when the costs differ (or ``comm > 0``) its ranks wait. The zero-bubble paper's ZB-V (Qi et al.,
+ICLR 2024, section 6) instead builds the V greedily from the costs and keeps the best of a few settings.
+zbv-auto does the same with its own list scheduler on the V placement (rank ``r`` holds stage ``r`` on the
+way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it picks, from what could run *now*,
+
+* an input gradient ``B`` (on the critical path; the down-stage one first by default: it is further along
+  its microbatch's backward chain and frees a whole activation), alternating with forwards as in 1F1B
+  when both are ready;
+* a forward ``F``, the up-stage one first (it brings its microbatch to the loss sooner), if the rank holds
+  room for one more activation and the down stage is under its warm-up cap;
+* otherwise a pending weight gradient ``W`` — always (``fill="eager"``), or only when it ends before the
+  next input can arrive (``fill="fit"``) or when the rank is at its memory limit;
+* otherwise it waits.
+
+:func:`zbv_auto` runs this for several in-flight depths, fill rules and priorities, adds the fixed ``zbv``,
+then re-places the ``W`` of the best few plans' cool-downs (and of the fixed V throughout) with
+:func:`~splitgrad.pipeline.schedules.w_refill.refill_w`: in the paper's settings the fixed V loses its bubble
+at the end, where it runs a ``W`` while an input gradient other ranks wait for is ready. Every candidate is
+simulated under the given costs and memory model and the best is returned (shortest longest-rank span, then
+makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits the memory limit (it
+does at the default ``2p``), zbv-auto is never worse than ``zbv`` at the same memory. A greedy pass that
+stalls (memory full on every rank that could unblock another) is dropped, not returned.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .._coerce import as_cost, as_costs
+from .._perf import gc_paused
+from ..actions import Action, ActionKind, Schedule
+from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
+from ._common import check_positive_int, v_mapping
+from .w_refill import refill_w
+from .zbv import zbv
+
+__all__ = ["ZbvCandidate", "zbv_auto", "zbv_auto_candidates", "zbv_greedy"]
+
+logger = logging.getLogger(__name__)
+
+_F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
+_EPS = 1e-9
+_INF = math.inf
+_SLACKS = (0.0, 0.5, 1.0, math.inf)
+_REFILL_BASES = 4  # how far a filling W may run past the next input (in W costs)
+
+
+def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
+    """Per-rank limits in stage activations ``M_B`` (default ``2p``: the fixed ZB-V's peak)."""
+    if memory_limit is None:
+        return (2.0 * p,) * p
+    value = as_costs("zbv-auto: memory_limit", memory_limit)
+    limits = (value,) * p if isinstance(value, float) else value
+    if len(limits) != p or any(x < 2 for x in limits):
+        raise ValueError(
+            "zbv-auto: memory_limit must be a number >= 2 (in stage activations M_B; a rank holds two "
+            f"stages) or one per rank ({p} ranks), got {memory_limit=}"
+        )
+    return tuple(float(x) for x in limits)
+
+
+@gc_paused()
+def zbv_greedy(
+    n_stages: int,
+    n_microbatches: int,
+    *,
+    f: Costs = 1.0,
+    b: Costs = 1.0,
+    w: Costs = 1.0,
+    comm: float = 0.0,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
+    down_cap: Sequence[int] | None = None,
+    up_cap: Sequence[int] | None = None,
+    fill: str = "eager",
+    alternate: bool = True,
+    down_b_first: bool = True,
+    strict: bool = False,
+) -> Schedule | None:
+    """One greedy list-scheduling pass on the V placement (see the module docstring).
+
+    Args:
+        n_stages: model stages (even; ``n_stages / 2`` ranks).
+        n_microbatches: microbatches.
+        f, b, w: per-stage costs (one value or one per stage).
+        comm: transfer latency between ranks (the V's turn on the last rank is local).
+        memory_limit: most activation memory a rank may hold, in stage activations ``M_B`` (``F`` adds 1,
+            ``B`` frees ``1 - w_memory``, ``W`` the rest); default ``n_stages`` (= ``2p``).
+        w_memory: ``M_W / M_B`` (see :func:`splitgrad.pipeline.simulate`).
+        down_cap: per-rank cap on down-stage microbatches in flight (``F`` done, ``B`` not); default
+            ``2p - 1 - r`` on rank ``r``, what the fixed ZB-V holds at its first ``B``.
+        up_cap: the same for the up stage; default ``r + 1``. Like 1F1B's warm-up depth, the caps keep
+            each stage's forwards from running ahead of its backwards, which keeps the V deadlock-free.
+        fill: ``"eager"``: a pending ``W`` runs whenever nothing else is ready; ``"fit"``: only if it ends
+            before the next input can arrive, or memory is full.
+        alternate: alternate ``F`` and ``B`` when both are ready (else ``B`` first).
+        down_b_first: when both stages' ``B`` are ready, run the down stage's first.
+        strict: after a rank's first ``B``, strictly alternate ``B`` and ``F`` (waiting for the one that is
+            due, filling the wait with ``W``) instead of running whatever is ready.
+
+    Returns:
+        A valid schedule within ``memory_limit``, or None when the pass stalls under the limit.
+
+    Raises:
+        ValueError: odd ``n_stages``, bad costs, limits or options.
+    """
+    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
+    if n_stages % 2:
+        raise ValueError(
+            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
+        )
+    if fill not in ("eager", "fit"):
+        raise ValueError(f"zbv-auto: fill must be 'eager' or 'fit', got {fill=}")
+    p, m, n = n_stages // 2, n_microbatches, n_stages
+    fc, bc, wc = stage_costs(f, n, "f"), stage_costs(b, n, "b"), stage_costs(w, n, "w")
+    limits = _limits(memory_limit, p)
+    r_w = check_w_memory(w_memory, "zbv-auto")
+    dcap = tuple(2 * p - 1 - r for r in range(p)) if down_cap is None else tuple(down_cap)
+    ucap = tuple(r + 1 for r in range(p)) if up_cap is None else tuple(up_cap)
+    for what, caps in (("down_cap", dcap), ("up_cap", ucap)):
+        if len(caps) != p or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps):
+            raise ValueError(
+                f"zbv-auto: {what} must give one integer cap >= 1 per rank ({p} ranks), got {caps}"
+            )
+    rank_of = v_mapping(p)
+
+    fend = [[_INF] * m for _ in range(n)]  # inf: not scheduled yet
+    bend = [[_INF] * m for _ in range(n)]
+    nf, nb = [0] * n, [0] * n
+    live = [0.0] * p
+    free = [0.0] * p
+    last_was_f = [False] * p
+    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+    actions: list[list[Action]] = [[] for _ in range(p)]
+    wake = [_INF] * p  # earliest queued wake-up per rank (later entries are stale)
+    heap: list[tuple[float, int]] = []
+
+    def push(t: float, r: int) -> None:
+        if t < wake[r]:
+            wake[r] = t
+            heapq.heappush(heap, (t, r))
+
+    def latency(src: int, dst: int) -> float:
+        return 0.0 if rank_of[src] == rank_of[dst] else comm
+
+    def ready_f(s: int) -> float:
+        """When the next ``F`` of stage ``s`` has its input (inf: producer not scheduled yet)."""
+        i = nf[s]
+        return 0.0 if s == 0 else fend[s - 1][i] + latency(s - 1, s)
+
+    def ready_b(s: int) -> float:
+        i = nb[s]
+        if s == n - 1:
+            return fend[s][i]
+        return max(fend[s][i], bend[s + 1][i] + latency(s + 1, s))
+
+    for r in range(p):
+        push(0.0, r)
+    while heap:
+        now, r = heapq.heappop(heap)
+        if now != wake[r]:
+            continue
+        wake[r] = _INF
+        t = max(now, free[r])
+        down, up = r, n - 1 - r
+        room = live[r] + 1.0 <= limits[r] + _EPS
+        # Candidates as (ready time, kind, stage), in priority order within a kind.
+        fs = []
+        for s in (up, down):
+            if nf[s] < m and room and nf[s] - nb[s] < (ucap[r] if s == up else dcap[r]):
+                fs.append((ready_f(s), s))
+        bs = []
+        for s in (down, up) if down_b_first else (up, down):
+            if nb[s] < nf[s]:
+                bs.append((ready_b(s), s))
+        if strict and nb[up] + nb[down] > 0 and fs and bs:
+            # A down-stage B waits for this rank's own up-stage F of the same microbatch: not due yet.
+            bs = [(tr, x) for tr, x in bs if x == up or nb[down] < nf[up]]
+            # After the warm-up, one B then one F, as 1F1B: wait for the kind that is due (filling with W).
+            if last_was_f[r] and bs:
+                fs = []
+            else:
+                bs = []
+        f_now = [s for tr, s in fs if tr <= t]
+        b_now = [s for tr, s in bs if tr <= t]
+        if b_now and (not f_now or last_was_f[r] or not alternate):
+            kind, s = _B, b_now[0]
+        elif f_now:
+            kind, s = _F, f_now[0]
+        elif pending[r]:
+            next_in = min([tr for tr, _ in fs] + [tr for tr, _ in bs], default=_INF)
+            memory_bound = not room and any(nf[x] < m for x in (up, down))
+            if fill == "eager" or memory_bound or next_in >= t + wc[pending[r][0][0]] or next_in == _INF:
+                kind, s = _W, -1
+            else:
+                push(next_in, r)
+                continue
+        else:
+            known = [tr for tr, _ in fs + bs if tr < _INF]
+            if known:
+                push(min(known), r)
+            continue  # otherwise a producer's wake-up brings this rank back
+        if kind is _F:
+            i = nf[s]
+            end = t + fc[s]
+            fend[s][i] = end
+            nf[s] += 1
+            live[r] += 1.0
+            last_was_f[r] = True
+            consumer = s + 1 if s + 1 < n else s  # the last stage's own B needs its F
+        elif kind is _B:
+            i = nb[s]
+            end = t + bc[s]
+            bend[s][i] = end
+            nb[s] += 1
+            live[r] -= 1.0 - r_w
+            pending[r].append((s, i))
+            last_was_f[r] = False
+            consumer = s - 1 if s > 0 else -1
+        else:
+            s, i = pending[r].popleft()
+            end = t + wc[s]
+            live[r] -= r_w
+            consumer = -1
+        actions[r].append(Action(s, kind, i))
+        free[r] = end
+        if len(actions[r]) < 3 * 2 * m:
+            push(end, r)
+        if consumer >= 0:
+            c = rank_of[consumer]
+            push(max(end + latency(s, consumer), free[c]), c)
+
+    if any(len(acts) != 6 * m for acts in actions):
+        return None  # stalled: every rank that could free memory waits on one that cannot
+    return Schedule(
+        name="zbv-auto", n_microbatches=m, stage_to_rank=rank_of, rank_actions=tuple(map(tuple, actions))
+    )
+
+
+class ZbvCandidate(NamedTuple):
+    """One schedule zbv-auto considered, with its simulation under the requested costs."""
+
+    label: str
+    schedule: Schedule
+    result: SimulationResult
+
+
+@gc_paused()
+def zbv_auto_candidates(
+    n_stages: int,
+    n_microbatches: int,
+    *,
+    f: Costs = 1.0,
+    b: Costs = 1.0,
+    w: Costs = 1.0,
+    comm: float = 0.0,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
+) -> list[ZbvCandidate]:
+    """Every candidate zbv-auto weighs (greedy variants and the fixed ``zbv`` if it fits), best first."""
+    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
+    if n_stages % 2:
+        raise ValueError(
+            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
+        )
+    p, m = n_stages // 2, n_microbatches
+    limits = _limits(memory_limit, p)
+    candidates: list[ZbvCandidate] = []
+
+    def consider(label: str, schedule: Schedule | None) -> None:
+        if schedule is None:
+            return
+        result = simulate(schedule, f, b, w, comm, w_memory=w_memory)
+        if all(peak <= cap + _EPS for peak, cap in zip(result.peak_memory, limits)):
+            candidates.append(ZbvCandidate(label, schedule, result))
+
+    fixed = zbv(n_stages, n_microbatches)
+    consider("zbv", Schedule("zbv-auto", m, fixed.stage_to_rank, fixed.rank_actions))
+    # In-flight caps per stage (down, up): the fixed V's depth, one deeper on either stage (room the paper's
+    # memory model frees when w_memory < 1), and the fixed V's depth shifted towards the up stage.
+    base_d = [2 * p - 1 - r for r in range(p)]
+    base_u = [r + 1 for r in range(p)]
+    depths = {
+        "zbv-depth": (base_d, base_u),
+        "deeper-down": ([d + 1 for d in base_d], base_u),
+        "deeper-up": (base_d, [u + 1 for u in base_u]),
+        "deeper-both": ([d + 1 for d in base_d], [u + 1 for u in base_u]),
+    }
+    for dname, (dcap, ucap) in depths.items():
+        for fill in ("eager", "fit"):
+            for order in ("strict", "alternate", "b-first"):
+                for down_b_first in (True, False):
+                    label = (
+                        f"greedy({dname}, fill={fill}, {order}, {'down' if down_b_first else 'up'}-b-first)"
+                    )
+
+                    consider(
+                        label,
+                        zbv_greedy(
+                            n_stages,
+                            m,
+                            f=f,
+                            b=b,
+                            w=w,
+                            comm=comm,
+                            memory_limit=limits,
+                            w_memory=w_memory,
+                            down_cap=dcap,
+                            up_cap=ucap,
+                            fill=fill,
+                            alternate=order != "b-first",
+                            down_b_first=down_b_first,
+                            strict=order == "strict",
+                        ),
+                    )
+
+    def key(c: ZbvCandidate) -> tuple[float, float, float]:
+        spans = [hi - lo for lo, hi in c.result.rank_spans]
+        return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
+
+    # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W
+    # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's. Only the best
+    # _REFILL_BASES greedy plans: re-placing the W of a poor F/B order does not make it a good one.
+    fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
+    comm_f = as_cost("comm", comm)
+    candidates.sort(key=key)
+    bases = candidates[:_REFILL_BASES] + [c for c in candidates[_REFILL_BASES:] if c.label == "zbv"]
+    for base in bases:
+        variants = [(s, True) for s in _SLACKS] + (
+            [(s, False) for s in _SLACKS] if base.label == "zbv" else []
+        )
+        for slack, tail_only in variants:
+            refilled = refill_w(
+                base.schedule,
+                fc,
+                bc,
+                wc,
+                comm_f,
+                limits=limits,
+                w_memory=w_memory,
+                slack=slack,
+                tail_only=tail_only,
+            )
+            consider(f"{base.label} + refill_w(slack={slack}{', tail' if tail_only else ''})", refilled)
+
+    candidates.sort(key=key)
+    return candidates
+
+
+def zbv_auto(
+    n_stages: int,
+    n_microbatches: int,
+    *,
+    f: Costs = 1.0,
+    b: Costs = 1.0,
+    w: Costs = 1.0,
+    comm: float = 0.0,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
+) -> Schedule:
+    """Best ZB-V-placed schedule for the given costs within ``memory_limit`` stage activations per rank
+    (default ``n_stages`` = ``2p``, the fixed ``zbv``'s peak). See :func:`zbv_auto_candidates`.
+
+    Args:
+        n_stages: model stages (even; ``n_stages / 2`` ranks, two stages each in a V).
+        n_microbatches: microbatches per step.
+        f, b, w: per-stage forward / input-gradient / weight-gradient costs (one value or one per stage).
+        comm: transfer latency between ranks.
+        memory_limit: activation budget per rank in stage activations ``M_B`` (one number or one per rank).
+        w_memory: ``M_W / M_B``, what a ``B`` keeps for its ``W`` (the paper's memory model).
+
+    Returns:
+        The best candidate schedule, named ``"zbv-auto"``.
+
+    Raises:
+        ValueError: odd ``n_stages``, bad costs or limits, or no candidate fits ``memory_limit``.
+    """
+    candidates = zbv_auto_candidates(
+        n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit, w_memory=w_memory
+    )
+    if not candidates:
+        raise ValueError(
+            f"zbv-auto: no schedule fits {memory_limit=} stage activations per rank ({n_stages=} "
+            f"{n_microbatches=} {w_memory=}); raise memory_limit"
+        )
+    best = candidates[0]
+    logger.info("zbv-auto picked %s (bubble %.4f)", best.label, best.result.bubble_ratio)
+    return best.schedule

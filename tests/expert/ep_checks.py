@@ -1,0 +1,124 @@
+"""Rank functions of the expert-parallel tests (module-level: pickled by name by ``splitgrad.testing.spawn``).
+
+Every check runs the single-process ``MoEGPT`` on the whole global batch on every rank (it is small and
+deterministic) and the expert-parallel model on this rank's slice, then compares in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import splitgrad
+from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers
+from splitgrad.parallel.expert import ExpertParallelMoEMLP, load_full_state_dict
+from tests.helpers import grads
+from tests.models.helpers import RTOL, batch, build, moe_config
+
+ATOL = 1e-12
+
+
+def run_model(model, ids, targets, *, delayed: bool):
+    """Forward + backward (+ backward_dw); returns (cross-entropy, per-block input gradients)."""
+    inputs: list[torch.Tensor] = []
+
+    def keep(module, args):
+        x = args[0]
+        x.retain_grad()
+        inputs.append(x)
+
+    handles = [block.register_forward_pre_hook(keep) for block in model.blocks]
+    try:
+        ce = lm_loss(model(ids), targets)
+    finally:
+        for handle in handles:
+            handle.remove()
+    ce.backward()
+    if delayed:
+        if splitgrad.pending_wgrad(model) == 0:
+            raise AssertionError("delayed model parked no wgrad work")
+        splitgrad.backward_dw(model)
+    if splitgrad.pending_wgrad(model):
+        raise AssertionError("wgrad work left after backward_dw")
+    return ce.detach(), [x.grad.clone() for x in inputs]
+
+
+def full_name(model, name: str) -> str:
+    """The single-process parameter name of ``name`` in the expert-parallel ``model``."""
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallelMoEMLP) and name.startswith(f"{prefix}.fc"):
+            head, _, leaf = name.rpartition(".")
+            kind = leaf.rstrip("0123456789")
+            return f"{head}.{kind}{m.expert_offset + int(leaf[len(kind) :])}"
+    return name
+
+
+def close(a, b, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) -> list[dict]:
+    """Per case ``(config overrides, local batch, seq, experts kind)``: the EP model vs the reference."""
+    report = []
+    group = dist.group.WORLD
+    for overrides, local_b, seq, experts in cases:
+        config = moe_config(**overrides)
+        ref = build(MoEGPT, config)
+        ids, targets = batch(config, batch_size=world * local_b, seq=seq)
+        ref_ce, ref_inputs = run_model(ref, ids, targets, delayed=False)
+        ref_total = ref_ce + moe_aux_loss(ref)
+        ref_grads = grads(ref)
+        mine = slice(rank * local_b, (rank + 1) * local_b)
+
+        results = {}
+        for delayed in (False, True):
+            ep = MoEGPT(moe_config(**overrides, delay_wgrad_compute=delayed), ep_group=group, experts=experts)
+            remapped = load_full_state_dict(ep, ref.state_dict())
+            if remapped != 2 * config.num_layers * (1 + config.bias) * config.num_experts // world:
+                raise AssertionError(f"{remapped=} expert tensors remapped")
+            ce, inputs = run_model(ep, ids[mine], targets[mine], delayed=delayed)
+            results[delayed] = grads(ep)
+            total = (ce + moe_aux_loss(ep)).reshape(1)
+            dist.all_reduce(total, group=group)
+            close(total[0] / world, ref_total, "loss")
+            for i, (g, r) in enumerate(zip(inputs, ref_inputs)):
+                close(g / world, r[mine], f"input gradient of block {i}")
+            for name, g in results[delayed].items():
+                g = g.clone()
+                if not getattr(dict(ep.named_parameters())[name], "expert_parallel", False):
+                    dist.all_reduce(g, group=group)  # dense: the data-parallel sum
+                close(g / world, ref_grads[full_name(ep, name)], name)
+            for layer in moe_layers(ep):
+                if sum(layer.last_tokens_per_expert) != world * local_b * seq * config.top_k:
+                    raise AssertionError(f"global token count {layer.last_tokens_per_expert}")
+        # Delayed wgrad is the same arithmetic as immediate mode: bitwise.
+        for name, g in results[True].items():
+            torch.testing.assert_close(
+                g, results[False][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+        # Not trivially passing: this rank's first expert against the reference's *next* expert must differ.
+        layer = moe_layers(ep)[0]
+        wrong = f"blocks.0.mlp.fc1.weight{(layer.expert_offset + 1) % config.num_experts}"
+        local = results[False]["blocks.0.mlp.fc1.weight0"] / world
+        negative = bool(local.abs().sum() + ref_grads[wrong].abs().sum() > 0)  # two idle experts: both zero
+        if negative:
+            try:
+                close(local, ref_grads[wrong], "negative")
+            except AssertionError:
+                pass
+            else:
+                raise AssertionError("a wrong expert's gradient was accepted")
+        idle = [n for layer in moe_layers(ep) for n in layer.last_tokens_per_expert if n == 0]
+        received = [sum(layer.last_tokens_per_expert) for layer in moe_layers(ep)]
+        report.append({"idle_experts": len(idle), "tokens": received, "negative": negative})
+    return report
+
+
+def bad_ep_size(rank: int, world: int) -> str:
+    """num_experts not divisible by the expert-parallel size: a ValueError naming both."""
+    try:
+        MoEGPT(moe_config(num_experts=4), ep_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("no ValueError")

@@ -122,3 +122,81 @@ def bad_ep_size(rank: int, world: int) -> str:
     except ValueError as exc:
         return str(exc)
     raise AssertionError("no ValueError")
+
+
+def ep_groups(rank: int, world: int, ep: int):
+    """``(ep_group, expert_dp_group)`` for ranks laid out EP-major: ``[0..ep)`` share their tokens' experts."""
+    mine = {}
+    for start in range(0, world, ep):
+        ranks = list(range(start, start + ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ep"] = group
+    for offset in range(ep):
+        ranks = list(range(offset, world, ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["edp"] = group
+    return mine["ep"], mine["edp"]
+
+
+def hook_reduction(
+    rank: int, world: int, ep: int, cases: list[tuple[dict, int, int, str, str]]
+) -> list[dict]:
+    """EP x expert-DP with :class:`ExpertDataParallel` against the single-process reference.
+
+    Per case ``(config overrides, local batch, seq, experts kind, mode)``, mode one of ``immediate``,
+    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation).
+    """
+    from splitgrad.parallel.expert import ExpertDataParallel
+
+    ep_group, edp_group = ep_groups(rank, world, ep)
+    report = []
+    for overrides, local_b, seq, experts, mode in cases:
+        config = moe_config(**overrides)
+        ref = build(MoEGPT, config)
+        ids, targets = batch(config, batch_size=world * local_b, seq=seq)
+        ref_ce, _ = run_model(ref, ids, targets, delayed=False)
+        ref_total = ref_ce + moe_aux_loss(ref)
+        ref_grads = grads(ref)
+        mine = slice(rank * local_b, (rank + 1) * local_b)
+
+        split = {"delay_wgrad_compute": mode != "immediate", "fuse_wgrad_accumulation": mode == "fused"}
+        model = MoEGPT(
+            moe_config(**overrides, **split), ep_group=ep_group, dp_group=dist.group.WORLD, experts=experts
+        )
+        load_full_state_dict(model, ref.state_dict())
+        edp = ExpertDataParallel(
+            model,
+            dp_group=dist.group.WORLD,
+            expert_dp_group=edp_group,
+            bucket_size=2000,
+            grad_reduce_dtype=None,
+        )
+        edp.zero_grad_buffer()
+        ce = lm_loss(edp(ids[mine]), targets[mine])
+        ce.backward()
+        if mode != "immediate":
+            splitgrad.backward_dw(edp)
+        launched_before_finish = [len(ddp.launch_order) for ddp in (edp.dense, edp.expert)]
+        edp.finish_grad_sync()
+        total = (ce.detach() + moe_aux_loss(model)).reshape(1)
+        dist.all_reduce(total)
+        close(total[0] / world, ref_total, "loss")
+        for name, p in model.named_parameters():
+            close(p.main_grad, ref_grads[full_name(model, name)], f"{mode}/{experts}: {name}")
+        # Every bucket of both groups was started by a hook (backward / backward_dw), none by finish_grad_sync.
+        buckets = [len(ddp.buckets) for ddp in (edp.dense, edp.expert)]
+        if launched_before_finish != buckets or min(buckets) < 2:
+            raise AssertionError(f"{mode}: buckets launched early {launched_before_finish} of {buckets}")
+        # Not trivially passing: the expert gradient averaged over the expert-DP group only is rejected.
+        wrong = model.blocks[0].mlp.fc1.weight0
+        try:
+            close(wrong.main_grad * ep, ref_grads[full_name(model, "blocks.0.mlp.fc1.weight0")], "negative")
+        except AssertionError:
+            pass
+        else:
+            raise AssertionError("an expert gradient scaled by the wrong group size was accepted")
+        edp.remove_hooks()
+        report.append({"mode": mode, "buckets": buckets})
+    return report

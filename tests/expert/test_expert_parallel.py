@@ -39,3 +39,15 @@ def test_expert_parallel_matches_single_process(world, cases):
 def test_ep_size_must_divide_num_experts():
     messages = spawn(ep_checks.bad_ep_size, 3, timeout=120.0)
     assert all("num_experts=4" in m and "ep_size=3" in m for m in messages)
+
+
+def test_hook_driven_reduction_ep2_x_expert_dp2():
+    """4 ranks: EP = 2 x expert-DP = 2 (dense DP = 4); buckets started by the wgrad hooks, grads exact."""
+    cases = [
+        ({}, 1, 8, "module", "immediate"),
+        ({}, 1, 8, "module", "delayed"),
+        ({"bias": False}, 1, 8, "ops", "fused"),
+        ({"num_experts": 8, "top_k": 1}, 1, 4, "ops", "delayed"),
+    ]
+    reports = spawn(ep_checks.hook_reduction, 4, 2, cases, timeout=300.0, pg_timeout=150.0)
+    assert [case["mode"] for case in reports[0]] == ["immediate", "delayed", "fused", "delayed"]

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from .all_to_all import AllToAll, all_to_all, exchange_counts
+from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
 from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
 from .state import load_full_state_dict
 
 __all__ = [
     "EXPERT_KINDS",
     "AllToAll",
+    "ExpertDataParallel",
     "ExpertParallelMoEMLP",
+    "ParameterGroup",
     "all_to_all",
     "exchange_counts",
+    "is_expert_parameter",
     "load_full_state_dict",
 ]

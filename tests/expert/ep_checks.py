@@ -200,3 +200,50 @@ def hook_reduction(
         edp.remove_hooks()
         report.append({"mode": mode, "buckets": buckets})
     return report
+
+
+def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
+    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``: losses and gradients bitwise equal."""
+    from splitgrad.parallel.expert import overlapped_forward_backward
+
+    ep_group, back_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    config = moe_config()
+    ref = build(MoEGPT, config)
+    ids, targets = batch(config, batch_size=4 * world, seq=8)
+    local = ids.view(world, 2, 2, -1)[rank], targets.view(world, 2, 2, -1)[rank]  # (microbatch, 2, seq)
+    out = []
+    for delay, experts in modes:
+        runs = []
+        for overlapped in (False, True):
+            model = MoEGPT(
+                moe_config(delay_wgrad_compute=delay == "delayed"),
+                ep_group=ep_group,
+                ep_backward_group=back_group,
+                experts=experts,
+            )
+            load_full_state_dict(model, ref.state_dict())
+            loss0 = lm_loss(model(local[0][0]), local[1][0])
+            if overlapped:
+                logits1 = overlapped_forward_backward(model, local[0][1], loss0)
+            else:
+                loss0.backward()
+                logits1 = model(local[0][1])
+            loss1 = lm_loss(logits1, local[1][1])
+            loss1.backward()
+            if delay == "delayed":
+                splitgrad.backward_dw(model)
+            runs.append((torch.stack([loss0.detach(), loss1.detach()]), grads(model)))
+        (la, ga), (lb, gb) = runs
+        torch.testing.assert_close(lb, la, rtol=0, atol=0)
+        for name in ga:
+            torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        out.append(f"{delay}/{experts}")
+    # A model whose forward and backward share one group is refused (its collectives could interleave).
+    shared = MoEGPT(config, ep_group=ep_group)
+    try:
+        overlapped_forward_backward(shared, local[0][0], torch.zeros((), requires_grad=True))
+    except ValueError as exc:
+        out.append(str(exc))
+    else:
+        raise AssertionError("overlap with a shared group was accepted")
+    return out

@@ -51,3 +51,12 @@ def test_hook_driven_reduction_ep2_x_expert_dp2():
     ]
     reports = spawn(ep_checks.hook_reduction, 4, 2, cases, timeout=300.0, pg_timeout=150.0)
     assert [case["mode"] for case in reports[0]] == ["immediate", "delayed", "fused", "delayed"]
+
+
+def test_overlapped_forward_backward_is_bitwise_sequential():
+    """Batch-level overlap (F of microbatch 1 while B of microbatch 0 runs) trains bit-for-bit like in order."""
+    modes = [("immediate", "module"), ("delayed", "module"), ("delayed", "ops")]
+    reports = spawn(ep_checks.overlap_bitwise, 2, modes, timeout=240.0, pg_timeout=120.0)
+    for report in reports:
+        assert report[:3] == ["immediate/module", "delayed/module", "delayed/ops"]
+        assert "ep_backward_group" in report[3]

@@ -85,12 +85,13 @@ class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with variable splits; backward runs the same exchange the other way.
 
     Shapes: ``x: (sum(in_splits), *rest)`` -> ``(sum(out_splits), *rest)``; row block ``s`` of the output
-    came from rank ``s`` of ``group``.
+    came from rank ``s`` of ``group``. The backward exchange runs on ``backward_group`` (same ranks; a separate
+    group lets one microbatch's forward and another's backward exchange concurrently without mixing up).
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.what = (out_splits, in_splits), group, what
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str, backward_group):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.what = (out_splits, in_splits), backward_group, what
         return _exchange(x, out_splits, in_splits, group, what)
 
     @staticmethod
@@ -98,6 +99,7 @@ class AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         return (
             _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward"),
+            None,
             None,
             None,
             None,
@@ -112,6 +114,7 @@ def all_to_all(
     group: dist.ProcessGroup,
     *,
     what: str = "all-to-all",
+    backward_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Differentiable variable-split all-to-all over ``group``.
 
@@ -121,6 +124,7 @@ def all_to_all(
         in_splits: rows sent to each rank.
         group: the expert-parallel group.
         what: name of the exchange in error messages (``"dispatch"``, ``"combine"``).
+        backward_group: the group of the backward exchange (same ranks); None: ``group``.
 
     Returns:
         ``(sum(out_splits), *rest)``.
@@ -131,4 +135,9 @@ def all_to_all(
             f"all_to_all ({what}): need {ep} split sizes each way with sum(in_splits) == x.shape[0], got "
             f"{in_splits=} {out_splits=} x.shape={tuple(x.shape)}"
         )
-    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what)
+    if backward_group is not None and dist.get_world_size(backward_group) != ep:
+        raise ValueError(
+            f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
+        )
+    back = group if backward_group is None else backward_group
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back)

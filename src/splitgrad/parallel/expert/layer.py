@@ -62,6 +62,10 @@ class ExpertParallelMoEMLP(MoEMLP):
         dp_group: every rank whose tokens form the global batch (the dense parameters' data-parallel group,
             ``ep_group`` x the expert-data-parallel group); None: ``ep_group``.
         experts: one of :data:`EXPERT_KINDS`.
+        backward_group: the group the backward's all-to-alls use (same ranks as ``ep_group``); None:
+            ``ep_group``. A separate group is what lets
+            :func:`~splitgrad.parallel.expert.overlapped_forward_backward` run one microbatch's forward and
+            another's backward at the same time.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         dp_group: dist.ProcessGroup | None = None,
         *,
         experts: str = "module",
+        backward_group: dist.ProcessGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)
         if experts not in EXPERT_KINDS:
@@ -82,6 +87,12 @@ class ExpertParallelMoEMLP(MoEMLP):
                 f"num_experts={config.num_experts} ep_size={ep_size}"
             )
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, dist.get_rank(ep_group)
+        self.backward_group = backward_group if backward_group is not None else ep_group
+        if dist.get_world_size(self.backward_group) != ep_size:
+            raise ValueError(
+                f"ExpertParallelMoEMLP: backward_group must have the ep_group's {ep_size} ranks, got "
+                f"{dist.get_world_size(self.backward_group)}"
+            )
         self.dp_group = dp_group if dp_group is not None else ep_group
         self.dp_size = dist.get_world_size(self.dp_group)
         self.num_experts = config.num_experts
@@ -143,7 +154,9 @@ class ExpertParallelMoEMLP(MoEMLP):
         received_counts = exchange_counts(counts, self.ep_group)  # (ep, local_experts), host
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
-        rows = all_to_all(sent, out_splits, in_splits, self.ep_group, what="dispatch")
+        rows = all_to_all(
+            sent, out_splits, in_splits, self.ep_group, what="dispatch", backward_group=self.backward_group
+        )
 
         # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
         local_ids = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
@@ -153,7 +166,12 @@ class ExpertParallelMoEMLP(MoEMLP):
         y = self.fc1(rows.index_select(0, regroup), m_splits)
         y = self.fc2(_activation(y, self.activation), m_splits)
         y = all_to_all(
-            y.index_select(0, _inverse(regroup)), in_splits, out_splits, self.ep_group, what="combine"
+            y.index_select(0, _inverse(regroup)),
+            in_splits,
+            out_splits,
+            self.ep_group,
+            what="combine",
+            backward_group=self.backward_group,
         )
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)

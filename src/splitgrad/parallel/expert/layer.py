@@ -54,7 +54,8 @@ class ExpertParallelMoEMLP(MoEMLP):
     Shapes as :class:`~splitgrad.models.MoEMLP`: ``(batch, seq, hidden)`` -> ``(batch, seq, hidden)``.
     ``fc1`` / ``fc2`` hold only the ``local_experts`` experts of this rank (``weight{j}`` is global expert
     ``expert_offset + j``); ``last_tokens_per_expert`` is the *global* count per expert; ``last_aux_loss`` is
-    this rank's share (its mean over ``dp_group`` is the global aux loss).
+    this rank's share (its mean over ``dp_group`` is the global aux loss); ``last_dispatch_splits`` is
+    ``(rows sent to, rows received from)`` each rank of ``ep_group`` by the last dispatch.
 
     Args:
         config: the model config (``num_experts`` global experts).
@@ -106,6 +107,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: list[int] | None = None
+        self.last_dispatch_splits: tuple[list[int], list[int]] | None = None
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
@@ -181,6 +183,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         aux = self._aux_share(probs, global_counts, global_tokens)
         self.last_aux_loss = aux.detach()
         self.last_tokens_per_expert = global_counts.tolist()
+        self.last_dispatch_splits = (in_splits, out_splits)
         if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
             out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
         return out.view(shape)

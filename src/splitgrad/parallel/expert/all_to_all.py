@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,19 @@ def exchange_counts(
 
 
 def _exchange(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup, what: str
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    what: str,
+    log: list | None = None,
 ) -> torch.Tensor:
+    start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
     wait_work(work, what, group)
+    if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
+        log.append((what, start, time.perf_counter()))
     return out
 
 
@@ -90,15 +99,16 @@ class AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str, backward_group):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.what = (out_splits, in_splits), backward_group, what
-        return _exchange(x, out_splits, in_splits, group, what)
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str, backward_group, log):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.what, ctx.log = (out_splits, in_splits), backward_group, what, log
+        return _exchange(x, out_splits, in_splits, group, what, log)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
         return (
-            _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward"),
+            _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward", ctx.log),
+            None,
             None,
             None,
             None,
@@ -115,6 +125,7 @@ def all_to_all(
     *,
     what: str = "all-to-all",
     backward_group: dist.ProcessGroup | None = None,
+    log: list | None = None,
 ) -> torch.Tensor:
     """Differentiable variable-split all-to-all over ``group``.
 
@@ -125,6 +136,8 @@ def all_to_all(
         group: the expert-parallel group.
         what: name of the exchange in error messages (``"dispatch"``, ``"combine"``).
         backward_group: the group of the backward exchange (same ranks); None: ``group``.
+        log: when given, each exchange (forward and backward) appends ``(name, start, end)`` to it
+            (``time.perf_counter()`` seconds, wait included).
 
     Returns:
         ``(sum(out_splits), *rest)``.
@@ -140,4 +153,4 @@ def all_to_all(
             f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
         )
     back = group if backward_group is None else backward_group
-    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back)
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back, log)

@@ -108,6 +108,8 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: list[int] | None = None
         self.last_dispatch_splits: tuple[list[int], list[int]] | None = None
+        #: Set to a list to record every exchange as ``(name, start, end)`` (perf_counter seconds; timelines).
+        self.comm_log: list | None = None
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
@@ -157,7 +159,13 @@ class ExpertParallelMoEMLP(MoEMLP):
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
         rows = all_to_all(
-            sent, out_splits, in_splits, self.ep_group, what="dispatch", backward_group=self.backward_group
+            sent,
+            out_splits,
+            in_splits,
+            self.ep_group,
+            what="dispatch",
+            backward_group=self.backward_group,
+            log=self.comm_log,
         )
 
         # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
@@ -174,6 +182,7 @@ class ExpertParallelMoEMLP(MoEMLP):
             self.ep_group,
             what="combine",
             backward_group=self.backward_group,
+            log=self.comm_log,
         )
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)

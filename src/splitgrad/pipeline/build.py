@@ -21,7 +21,7 @@ from torch import nn
 
 from .actions import Schedule
 from .executor import LossFn
-from .runtime import PipelineRuntime
+from .runtime import PipelineRuntime, resolve_pipeline_rank
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 
@@ -168,9 +168,11 @@ def build_runtime(
         raise ValueError(
             f"build_runtime: schedule {schedule.name!r} has {schedule.n_stages} stages, got {len(stages)} modules"
         )
-    rank = runtime_options.pop("rank", None)
-    if rank is None:
-        rank = dist.get_rank(pp_group) if dist.is_initialized() and schedule.n_ranks > 1 else 0
+    # Checked before any stage is wrapped (wrapping broadcasts over dp_group): a schedule that does not fit
+    # the pipeline group fails here, on every rank, naming the schedule and both sizes.
+    rank = resolve_pipeline_rank(
+        schedule, rank=runtime_options.pop("rank", None), pp_group=pp_group, who="build_runtime"
+    )
     mine: dict[int, nn.Module] = {s: stages[s] for s in schedule.stages_of(rank)}
     if dp_group is not None:
         from ..parallel import DistributedDataParallel

@@ -152,3 +152,14 @@ class ExpertDataParallel(nn.Module):
         """Detach both wrappers from the model."""
         for ddp in self._wrappers:
             ddp.remove_hooks()
+
+    def close(self) -> None:
+        """Close both wrappers (wait for reductions in flight, detach, release the groups); idempotent."""
+        for ddp in self._wrappers:
+            ddp.close()
+
+    def __enter__(self) -> ExpertDataParallel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -87,6 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=positive_float, default=defaults.timeout, help="seconds to wait for a peer"
     )
     parser.add_argument("--out", default=defaults.out, help="output folder")
+    parser.add_argument(
+        "--moe", action="store_true", help="train an MoE GPT with expert parallelism instead (see --ep)"
+    )
+    parser.add_argument("--ep", type=positive_int, default=2, help="expert-parallel ranks (with --moe)")
     parser.set_defaults(func=run, usage_error=parser.error)
 
 
@@ -103,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     Every user mistake is reported before any rank starts, as one ``error:`` line with exit code 2; Ctrl-C
     stops the ranks and exits with 130.
     """
+    if getattr(args, "moe", False):
+        from .moe_demo import run_moe  # expert-parallel variant: its own module
+
+        return run_moe(args)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = config_from_args(args)

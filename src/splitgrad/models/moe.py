@@ -156,18 +156,50 @@ class MoEGPT(GPT):
     ``forward(ids)`` returns logits exactly like :class:`GPT`; train with ``lm_loss(logits, targets)``: the
     load-balancing losses are added to the gradient automatically (:class:`AuxLossInjector`). For the value
     of the total objective, add :func:`moe_aux_loss` to the cross-entropy.
+
+    With ``ep_group`` the experts are sharded over that process group
+    (:class:`splitgrad.parallel.expert.ExpertParallelMoEMLP`; ``dp_group``: every rank whose tokens form the
+    global batch, default ``ep_group``; ``experts``: ``"module"`` or ``"ops"``; ``ep_backward_group``: a second
+    group of the same ranks for the backward's all-to-alls, needed by batch-level overlap); without it, the
+    single-process model (the reference). Load the reference's weights with
+    :func:`splitgrad.parallel.expert.load_full_state_dict`.
     """
 
     config: MoEConfig
 
-    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        device: torch.device | str | None = None,
+        ep_group: object | None = None,
+        dp_group: object | None = None,
+        experts: str = "module",
+        ep_backward_group: object | None = None,
+    ) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoEGPT needs an MoEConfig, got {type(config).__name__}")
+        if ep_group is None and (
+            dp_group is not None or ep_backward_group is not None or experts != "module"
+        ):
+            raise ValueError(
+                f"MoEGPT: dp_group, ep_backward_group and experts={experts!r} need an ep_group (expert parallelism)"
+            )
+        # Read by _make_mlp, which GPT.__init__ calls before this class could set attributes normally.
+        object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts, ep_backward_group))
         super().__init__(config, device=device)
 
     def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
         del layer
-        return MoEMLP(config)
+        ep_group, dp_group, experts, backward_group = self._expert_parallel
+        if ep_group is None:
+            return MoEMLP(config)
+        # Imported here: parallel/ builds on models/, so models/ must not import it at load time.
+        from ..parallel.expert.layer import ExpertParallelMoEMLP
+
+        return ExpertParallelMoEMLP(
+            config, ep_group, dp_group, experts=experts, backward_group=backward_group
+        )
 
 
 def moe_layers(model: nn.Module) -> list[MoEMLP]:

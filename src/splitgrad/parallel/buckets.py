@@ -108,6 +108,7 @@ class Bucket:
         rank: int,
         average: str,
         reduce_scatter: bool,
+        divisor: int | None = None,
     ) -> None:
         """Start the asynchronous collective over :attr:`data`.
 
@@ -117,6 +118,7 @@ class Bucket:
             average: ``"op"`` (use ``ReduceOp.AVG``), ``"pre"`` (divide, then sum) or ``"post"`` (sum, then
                 divide in :meth:`wait`).
             reduce_scatter: reduce-scatter (each rank keeps its :meth:`shard`) instead of all-reduce.
+            divisor: what ``"pre"``/``"post"`` divide by (None: ``world_size``; ``"op"`` always averages).
         """
         if self.launched:
             raise RuntimeError(f"bucket {self.index} ({self.describe()}) was already launched this step")
@@ -125,8 +127,8 @@ class Bucket:
             op = dist.ReduceOp.AVG
         elif average == "pre":
             # torch DDP's reducer divides before summing too; doing the same keeps results bit-identical to it.
-            self.data.div_(world_size)
-        self._post_divide = world_size if average == "post" else 0
+            self.data.div_(divisor or world_size)
+        self._post_divide = (divisor or world_size) if average == "post" else 0
         if reduce_scatter:
             self._work = _reduce_scatter(
                 self.shard(rank, world_size), self.data, op=op, group=group, async_op=True

@@ -132,6 +132,10 @@ class DistributedDataParallel(nn.Module):
         #: finish_grad_sync() was called (all of them when backward hid every reduction).
         self.last_launch_order: list[int] = []
         self.last_launched_early = 0
+        #: The reduced gradient is the sum over the group divided by this (default: the group's size, the
+        #: average). Expert parameters set the dense data-parallel size: their gradient already sums the tokens
+        #: of the whole expert-parallel group (see splitgrad.parallel.expert.ExpertDataParallel).
+        self.grad_divisor = self.world_size
 
         # The hooks live on the parameters and stores, which the wrapper reaches through self.module: a hook
         # holding the wrapper strongly makes a cycle through C++ (the parameters' hook tables) that Python's
@@ -181,6 +185,18 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
+        self.begin_forward()
+        out = self.module(*args, **kwargs)
+        self.expect_backward(out)
+        return out
+
+    def begin_forward(self) -> None:
+        """What :meth:`forward` does before running the module (for wrappers that run it themselves).
+
+        Raises:
+            RuntimeError: the previous step's reductions already started and were not finished, or the
+                wrapper was closed.
+        """
         self._check_open("forward")
         if self._next_bucket and torch.is_grad_enabled():
             raise RuntimeError(
@@ -190,14 +206,19 @@ class DistributedDataParallel(nn.Module):
             )
         if self._grads_exposed:
             self._take_back_grads()
-        out = self.module(*args, **kwargs)
+
+    def expect_backward(self, outputs: Any) -> None:
+        """Count the gradient contributions that backward over ``outputs`` (one forward's result) will bring.
+
+        :meth:`forward` calls it; a wrapper that runs the module once for several data-parallel wrappers (one
+        per parameter group, e.g. expert and dense parameters) calls :meth:`begin_forward` and this on each.
+        """
         if torch.is_grad_enabled():
             skip = [bool(getattr(p, "skip_backward_post_hook", False)) for p in self._params]
-            counts = count_contributions(out, self._index_of, skip)
+            counts = count_contributions(outputs, self._index_of, skip)
             if counts:
                 with self._lock:
                     self._counts.add_expected(counts)
-        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -391,7 +412,8 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         if self.config.average_in_collective:
-            average = "op" if self._supports_avg(bucket) else "pre"
+            custom = self.grad_divisor != self.world_size  # ReduceOp.AVG divides by the group size only
+            average = "op" if self._supports_avg(bucket) and not custom else "pre"
         else:
             average = "post"
         with torch.profiler.record_function(f"splitgrad.ddp.reduce:bucket{bucket.index}"):
@@ -401,6 +423,7 @@ class DistributedDataParallel(nn.Module):
                 rank=self.rank,
                 average=average,
                 reduce_scatter=self.config.reduce_scatter,
+                divisor=self.grad_divisor,
             )
         self._next_bucket = bucket.index + 1
         self.launch_order.append(bucket.index)

@@ -1,0 +1,114 @@
+"""Batch-level overlap of an expert-parallel MoE model: all-to-all time hidden by the other microbatch.
+
+2 gloo ranks, EP = 2, a small MoE GPT; per sample, with microbatch 0's forward done, it times the pair
+"backward of microbatch 0 + forward of microbatch 1" run in order and run overlapped
+(:func:`splitgrad.parallel.expert.overlapped_forward_backward`), round-robin, and the all-to-alls of that pair
+alone (the same split sizes, no compute). Reported (rank 0, medians):
+
+* ``comm alone``: the pair's dispatch/combine exchanges (forward of one microbatch + backward of the other);
+* ``sequential`` / ``overlapped``: the pair's wall time;
+* ``hidden = (sequential - overlapped) / comm alone``, next to the most the compute could cover,
+  ``min(comm, sequential - comm) / comm``.
+
+Communication must take wall time, not CPU, for overlap to be visible: run it inside a rate-limited namespace::
+
+    python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import splitgrad
+from splitgrad.models import MoEConfig, MoEGPT, lm_loss
+from splitgrad.parallel.expert import ExpertParallelMoEMLP, overlapped_forward_backward
+from splitgrad.testing import spawn
+
+
+def _pair_exchanges(model: MoEGPT, group: dist.ProcessGroup) -> list[tuple[list[int], list[int], int]]:
+    """(in_splits, out_splits, width) of every dispatch/combine of one forward and one backward, from the
+    layers' last forward (the microbatches have the same size, so this is what the pair exchanges)."""
+    out = []
+    for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
+        sends, recvs = layer.last_dispatch_splits
+        width = layer.norm.weight.shape[0]
+        out += [(sends, recvs, width), (recvs, sends, width)] * 2
+    return out
+
+
+def _comm_alone(exchanges, group) -> float:
+    dist.barrier(group)
+    start = time.perf_counter()
+    for sends, recvs, width in exchanges:
+        x = torch.randn(sum(sends), width)
+        dist.all_to_all_single(torch.empty(sum(recvs), width), x, recvs, sends, group=group)
+    return time.perf_counter() - start
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    config = MoEConfig(
+        vocab_size=256, seq_len=args.seq, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
+        ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
+        delay_wgrad_compute=args.delayed,
+    )  # fmt: skip
+    model = MoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
+    gen = torch.Generator().manual_seed(rank)
+    ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
+    timings: dict[str, list[float]] = {"sequential": [], "overlapped": [], "comm alone": []}
+    for sample in range(args.warmup + args.samples):
+        for variant in ("sequential", "overlapped"):
+            loss0 = lm_loss(model(ids[0]), ids[0])
+            dist.barrier(fwd)
+            start = time.perf_counter()
+            if variant == "overlapped":
+                logits1 = overlapped_forward_backward(model, ids[1], loss0)
+            else:
+                loss0.backward()
+                logits1 = model(ids[1])
+            elapsed = time.perf_counter() - start
+            lm_loss(logits1, ids[1]).backward()
+            splitgrad.backward_dw(model)
+            model.zero_grad(set_to_none=True)
+            if sample >= args.warmup:
+                timings[variant].append(elapsed)
+        if sample >= args.warmup:
+            timings["comm alone"].append(_comm_alone(_pair_exchanges(model, fwd), fwd))
+    return {k: statistics.median(v) for k, v in timings.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--delayed", action="store_true", help="deferred wgrad (run after the pair)")
+    args = parser.parse_args()
+    results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
+    r = results[0]
+    comm, seq, ovl = r["comm alone"], r["sequential"], r["overlapped"]
+    coverable = min(comm, max(seq - comm, 0.0)) / comm
+    print(
+        f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers"
+    )
+    print(
+        "| comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | coverable |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
+        f"{(seq - ovl) / comm:.0%} | {coverable:.0%} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Expert parallelism: MoE experts sharded over a process group, tokens exchanged with all-to-all."""
+
+from __future__ import annotations
+
+from .all_to_all import AllToAll, all_to_all, exchange_counts
+from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
+from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
+from .overlap import OverlappedMoEStage, overlapped_forward_backward
+from .state import load_full_state_dict
+
+__all__ = [
+    "EXPERT_KINDS",
+    "AllToAll",
+    "ExpertDataParallel",
+    "ExpertParallelMoEMLP",
+    "OverlappedMoEStage",
+    "ParameterGroup",
+    "all_to_all",
+    "exchange_counts",
+    "is_expert_parameter",
+    "load_full_state_dict",
+    "overlapped_forward_backward",
+]

@@ -1,0 +1,156 @@
+"""Token exchange for expert parallelism: split sizes first, then ``all_to_all_single`` with autograd.
+
+Dispatch sends each rank's token copies, sorted by expert (hence by owning rank), to the ranks that own those
+experts; combine sends the expert outputs back. Both are the same collective with the split sizes swapped, and
+the backward of one is the other: :class:`AllToAll` is that autograd Function. The variable split sizes must be
+known to every receiver before the tokens move, so :func:`exchange_counts` all-to-alls the per-expert token
+counts first (a tiny int64 exchange; the one host sync of a dispatch).
+
+Every collective is issued asynchronously and waited with a timeout (the group's own timeout by default), so a
+rank that never joins raises a ``RuntimeError`` naming the operation instead of hanging silently.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AllToAll", "all_to_all", "exchange_counts", "wait_work"]
+
+logger = logging.getLogger(__name__)
+
+
+def wait_work(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: float | None = None) -> None:
+    """Wait for ``work``; raise a ``RuntimeError`` naming ``what`` and this rank when it fails or times out.
+
+    Args:
+        work: an async collective's handle.
+        what: the operation, for the error message.
+        group: its process group (for the rank in the message).
+        timeout: seconds; None waits as long as the group's own timeout.
+    """
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        raise RuntimeError(
+            f"expert parallel {what} did not complete on rank {dist.get_rank(group)} of "
+            f"{dist.get_world_size(group)} ({exc}); did every rank of the expert-parallel group run the same "
+            "MoE layers in the same order?"
+        ) from exc
+
+
+def exchange_counts(
+    counts: torch.Tensor, group: dist.ProcessGroup, timeout: float | None = None
+) -> torch.Tensor:
+    """All-to-all the per-expert token counts of an expert-parallel group.
+
+    Args:
+        counts: ``(ep_size * local_experts,)`` int64: how many token copies this rank sends to each global
+            expert (experts ``[r * local_experts, (r + 1) * local_experts)`` live on rank ``r``).
+        group: the expert-parallel group.
+        timeout: seconds to wait (None: the group's timeout).
+
+    Returns:
+        ``(ep_size, local_experts)`` int64 on the host: row ``s`` holds how many copies rank ``s`` sends to
+        each of this rank's experts.
+    """
+    ep = dist.get_world_size(group)
+    if counts.dim() != 1 or counts.numel() % ep:
+        raise ValueError(
+            f"exchange_counts: counts must be (ep_size * local_experts,), got shape {tuple(counts.shape)} for "
+            f"ep_size={ep}"
+        )
+    received = torch.empty_like(counts)
+    work = dist.all_to_all_single(received, counts.contiguous(), group=group, async_op=True)
+    wait_work(work, "token-count exchange", group, timeout)
+    return received.view(ep, -1).cpu()
+
+
+def _exchange(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    what: str,
+    log: list | None = None,
+) -> torch.Tensor:
+    start = time.perf_counter()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    wait_work(work, what, group)
+    if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
+        log.append((what, start, time.perf_counter()))
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with variable splits; backward runs the same exchange the other way.
+
+    Shapes: ``x: (sum(in_splits), *rest)`` -> ``(sum(out_splits), *rest)``; row block ``s`` of the output
+    came from rank ``s`` of ``group``. The backward exchange runs on ``backward_group`` (same ranks; a separate
+    group lets one microbatch's forward and another's backward exchange concurrently without mixing up).
+    """
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str, backward_group, log):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.what, ctx.log = (out_splits, in_splits), backward_group, what, log
+        return _exchange(x, out_splits, in_splits, group, what, log)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return (
+            _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward", ctx.log),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    *,
+    what: str = "all-to-all",
+    backward_group: dist.ProcessGroup | None = None,
+    log: list | None = None,
+) -> torch.Tensor:
+    """Differentiable variable-split all-to-all over ``group``.
+
+    Args:
+        x: ``(sum(in_splits), *rest)``; row block ``r`` (``in_splits[r]`` rows) goes to rank ``r``.
+        out_splits: rows received from each rank (from :func:`exchange_counts`).
+        in_splits: rows sent to each rank.
+        group: the expert-parallel group.
+        what: name of the exchange in error messages (``"dispatch"``, ``"combine"``).
+        backward_group: the group of the backward exchange (same ranks); None: ``group``.
+        log: when given, each exchange (forward and backward) appends ``(name, start, end)`` to it
+            (``time.perf_counter()`` seconds, wait included).
+
+    Returns:
+        ``(sum(out_splits), *rest)``.
+    """
+    ep = dist.get_world_size(group)
+    if len(out_splits) != ep or len(in_splits) != ep or sum(in_splits) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all ({what}): need {ep} split sizes each way with sum(in_splits) == x.shape[0], got "
+            f"{in_splits=} {out_splits=} x.shape={tuple(x.shape)}"
+        )
+    if backward_group is not None and dist.get_world_size(backward_group) != ep:
+        raise ValueError(
+            f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
+        )
+    back = group if backward_group is None else backward_group
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back, log)

@@ -1,0 +1,216 @@
+"""The expert-parallel MoE layer: experts sharded over a process group, tokens moved by all-to-all.
+
+Rank ``r`` of an expert-parallel group of size ``ep`` owns the ``E / ep`` consecutive experts
+``[r * E / ep, (r + 1) * E / ep)``. On the flattened local tokens ``x: (T, hidden)``::
+
+    probs, w, e = route(norm(x))                     # router and norm replicated (dense parameters)
+    sorted copies by global expert                   # = grouped by owning rank, as in the single-process layer
+    counts -> exchange_counts -> received counts     # split sizes first (one host sync)
+    dispatch all_to_all -> rows by (source rank, local expert)
+    regroup by local expert (stable: source-rank order within an expert = the global token order)
+    fc2(act(fc1(rows)))                              # GroupedLinear over the local experts, wgrad deferrable
+    undo the regroup -> combine all_to_all -> unpermute, weight by w, sum the k copies
+
+Exactness: when the global batch is the concatenation of the ranks' local batches (rank order), each expert
+sees exactly the rows, in the same order, as in the single-process :class:`~splitgrad.models.MoEMLP`. The
+load-balancing loss uses the *global* routed counts (all-reduced over ``dp_group``, every rank with distinct
+tokens) and this rank's router probabilities, weighted so that the mean over ``dp_group`` of the ranks' aux losses
+is the global aux loss: averaging the dense gradients over ``dp_group`` gives the single-process gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...models.config import MoEConfig
+from ...models.gpt import Norm, _split_kwargs
+from ...models.moe import AuxLossInjector, MoEMLP, _activation
+from ...module.grouped_linear import GroupedLinear
+from ...module.linear import Linear
+from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
+from .all_to_all import all_to_all, exchange_counts, wait_work
+
+__all__ = ["EXPERT_KINDS", "ExpertParallelMoEMLP"]
+
+logger = logging.getLogger(__name__)
+
+#: ``"module"``: experts are :class:`splitgrad.GroupedLinear` modules; ``"ops"``: :class:`splitgrad.ops.GroupedLinear`.
+EXPERT_KINDS = ("module", "ops")
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+class ExpertParallelMoEMLP(MoEMLP):
+    """:class:`~splitgrad.models.MoEMLP` with its experts sharded over ``ep_group``.
+
+    Shapes as :class:`~splitgrad.models.MoEMLP`: ``(batch, seq, hidden)`` -> ``(batch, seq, hidden)``.
+    ``fc1`` / ``fc2`` hold only the ``local_experts`` experts of this rank (``weight{j}`` is global expert
+    ``expert_offset + j``); ``last_tokens_per_expert`` is the *global* count per expert; ``last_aux_loss`` is
+    this rank's share (its mean over ``dp_group`` is the global aux loss); ``last_dispatch_splits`` is
+    ``(rows sent to, rows received from)`` each rank of ``ep_group`` by the last dispatch.
+
+    Args:
+        config: the model config (``num_experts`` global experts).
+        ep_group: the expert-parallel group; its size must divide ``num_experts``.
+        dp_group: every rank whose tokens form the global batch (the dense parameters' data-parallel group,
+            ``ep_group`` x the expert-data-parallel group); None: ``ep_group``.
+        experts: one of :data:`EXPERT_KINDS`.
+        backward_group: the group the backward's all-to-alls use (same ranks as ``ep_group``); None:
+            ``ep_group``. A separate group is what lets
+            :func:`~splitgrad.parallel.expert.overlapped_forward_backward` run one microbatch's forward and
+            another's backward at the same time.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        ep_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None = None,
+        *,
+        experts: str = "module",
+        backward_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if experts not in EXPERT_KINDS:
+            raise ValueError(f"ExpertParallelMoEMLP: experts must be one of {EXPERT_KINDS}, got {experts=}")
+        ep_size = dist.get_world_size(ep_group)
+        if config.num_experts % ep_size:
+            raise ValueError(
+                f"ExpertParallelMoEMLP: the expert-parallel size must divide num_experts, got "
+                f"num_experts={config.num_experts} ep_size={ep_size}"
+            )
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, dist.get_rank(ep_group)
+        self.backward_group = backward_group if backward_group is not None else ep_group
+        if dist.get_world_size(self.backward_group) != ep_size:
+            raise ValueError(
+                f"ExpertParallelMoEMLP: backward_group must have the ep_group's {ep_size} ranks, got "
+                f"{dist.get_world_size(self.backward_group)}"
+            )
+        self.dp_group = dp_group if dp_group is not None else ep_group
+        self.dp_size = dist.get_world_size(self.dp_group)
+        self.num_experts = config.num_experts
+        self.local_experts = config.num_experts // ep_size
+        self.expert_offset = self.ep_rank * self.local_experts
+        self.experts_kind = experts
+        self.top_k = config.top_k
+        self.activation = config.activation
+        self.norm_topk_prob = config.norm_topk_prob
+        self.aux_loss_coef = config.aux_loss_coef
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_tokens_per_expert: list[int] | None = None
+        self.last_dispatch_splits: tuple[list[int], list[int]] | None = None
+        #: Set to a list to record every exchange as ``(name, start, end)`` (perf_counter seconds; timelines).
+        self.comm_log: list | None = None
+        h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
+        width = 2 * f if config.activation in ("swiglu", "geglu") else f
+        self.norm = Norm(config)
+        self.router = Linear(h, config.num_experts, False, **_split_kwargs(config))
+        if experts == "module":
+            self.fc1 = GroupedLinear(n, h, width, config.bias, **_split_kwargs(config))
+            self.fc2 = GroupedLinear(n, f, h, config.bias, **_split_kwargs(config))
+        else:
+            kw = {
+                "bias": config.bias,
+                "delay_wgrad_compute": config.delay_wgrad_compute,
+                "accumulate_into_main_grad": config.fuse_wgrad_accumulation,
+                "dtype": config.params_dtype,
+            }
+            self.fc1 = GroupedLinearOp(n, h, width, **kw)
+            self.fc2 = GroupedLinearOp(n, f, h, **kw)
+        # Expert parameters are reduced over the expert-data-parallel group, not the dense one.
+        for p in self.expert_parameters():
+            p.expert_parallel = True
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's experts (``fc1`` and ``fc2``)."""
+        return [*self.fc1.parameters(), *self.fc2.parameters()]
+
+    def residual_output_weights(self) -> list[nn.Parameter]:
+        """fc2's local per-expert matrices (they write into the residual stream)."""
+        return [getattr(self.fc2, f"weight{j}") for j in range(self.local_experts)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = self.norm(x.reshape(-1, shape[-1]))
+        tokens, k = h.shape[0], self.top_k
+        probs, weights, experts = self.route(h)
+
+        # Permute as the single-process layer: copies sorted by global expert, hence by owning rank.
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        copies = h.unsqueeze(1).expand(tokens, k, h.shape[-1]).reshape(-1, h.shape[-1])
+        sent = copies.index_select(0, order)
+
+        # Global statistics for the aux loss, started now and waited only after the experts ran.
+        stats = torch.cat([counts, counts.new_tensor([tokens])])
+        stats_work = dist.all_reduce(stats, group=self.dp_group, async_op=True)
+
+        received_counts = exchange_counts(counts, self.ep_group)  # (ep, local_experts), host
+        in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
+        out_splits = received_counts.sum(1).tolist()
+        rows = all_to_all(
+            sent,
+            out_splits,
+            in_splits,
+            self.ep_group,
+            what="dispatch",
+            backward_group=self.backward_group,
+            log=self.comm_log,
+        )
+
+        # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
+        local_ids = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
+        row_expert = torch.repeat_interleave(local_ids, received_counts.flatten().to(rows.device))
+        regroup = torch.argsort(row_expert, stable=True)
+        m_splits = received_counts.sum(0).tolist()
+        y = self.fc1(rows.index_select(0, regroup), m_splits)
+        y = self.fc2(_activation(y, self.activation), m_splits)
+        y = all_to_all(
+            y.index_select(0, _inverse(regroup)),
+            in_splits,
+            out_splits,
+            self.ep_group,
+            what="combine",
+            backward_group=self.backward_group,
+            log=self.comm_log,
+        )
+
+        out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
+
+        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group)
+        global_counts, global_tokens = stats[:-1], int(stats[-1])
+        aux = self._aux_share(probs, global_counts, global_tokens)
+        self.last_aux_loss = aux.detach()
+        self.last_tokens_per_expert = global_counts.tolist()
+        self.last_dispatch_splits = (in_splits, out_splits)
+        if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
+            out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
+        return out.view(shape)
+
+    def _aux_share(
+        self, probs: torch.Tensor, global_counts: torch.Tensor, global_tokens: int
+    ) -> torch.Tensor:
+        """This rank's share of ``coef * E * sum_i f_i * P_i``: global ``f``, local probabilities.
+
+        ``P_i`` of the global batch is ``sum over ranks of probs.sum(0) / global_tokens``; multiplying the local
+        sum by ``dp_size`` makes the *mean* over ranks the global loss, matching data-parallel averaging.
+        """
+        f = global_counts.to(probs.dtype) / (global_tokens * self.top_k)
+        p_share = probs.sum(0) * (self.dp_size / global_tokens)
+        return self.aux_loss_coef * self.num_experts * (f * p_share).sum()
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.experts_kind}, ep_rank={self.ep_rank}, ep_size={self.ep_size}, "
+            f"local_experts={self.local_experts}, expert_offset={self.expert_offset}"
+        )

@@ -1,0 +1,105 @@
+"""Batch-level overlap: one microbatch's forward runs while another's backward runs, each hiding the other's
+all-to-alls (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk).
+
+The forward of microbatch ``i + 1`` runs on the calling thread and the backward of microbatch ``i`` on a
+second thread. Whenever one of them waits for a dispatch/combine exchange (gloo and NCCL waits release the
+GIL), the other computes: attention, routing and expert GEMMs of one fill the all-to-all of the other, at
+sub-layer granularity, without splitting the autograd graph by hand. The two parts exchange over different
+process groups (the layers' ``ep_group`` forward, ``backward_group`` backward, same ranks), so every rank
+issues each group's collectives in the same order. Only the backward writes gradients, so they accumulate in
+the same order as running the parts one after the other: training is bit-for-bit the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layer import ExpertParallelMoEMLP
+
+__all__ = ["OverlappedMoEStage", "overlapped_forward_backward"]
+
+logger = logging.getLogger(__name__)
+
+
+def overlapped_forward_backward(
+    module: nn.Module,
+    x: Any,
+    y: torch.Tensor,
+    dy: torch.Tensor | None = None,
+    *,
+    timeout: float | None = 600.0,
+) -> Any:
+    """Return ``module(x)`` while ``torch.autograd.backward(y, dy)`` runs concurrently.
+
+    Args:
+        module: a model or pipeline stage whose expert-parallel layers have a separate ``backward_group``.
+        x: the forward part's input (e.g. ``ids: (batch, seq)`` or activations ``(batch, seq, hidden)``).
+        y: the backward part's output (a loss or a stage output), from an earlier forward of ``module``.
+        dy: its gradient, same shape as ``y`` (None for a scalar loss).
+        timeout: seconds to wait for the backward after the forward finished (None: forever).
+
+    Returns:
+        ``module(x)``.
+
+    Raises:
+        ValueError: an expert-parallel layer exchanges forward and backward over the same group.
+        RuntimeError: the backward raised (chained) or did not finish within ``timeout``.
+    """
+    shared = [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, ExpertParallelMoEMLP) and m.backward_group is m.ep_group
+    ]
+    if shared:
+        raise ValueError(
+            f"overlapped_forward_backward: expert-parallel layers {shared} use one group for forward and backward "
+            "all-to-alls; concurrent parts would interleave their collectives differently on each rank. Build "
+            "the model with ep_backward_group (a second group of the same ranks)"
+        )
+    errors: list[BaseException] = []
+
+    def backward() -> None:
+        try:
+            with torch.profiler.record_function("splitgrad.overlap.backward"):
+                torch.autograd.backward(y, dy)
+        except BaseException as exc:  # re-raised on the calling thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
+    thread.start()
+    try:
+        with torch.profiler.record_function("splitgrad.overlap.forward"):
+            out = module(x)
+    finally:
+        thread.join(timeout)
+    if thread.is_alive():
+        raise RuntimeError(
+            f"overlapped_forward_backward: the backward part did not finish within {timeout} s"
+        )
+    if errors:
+        raise RuntimeError(f"overlapped_forward_backward: the backward part failed: {errors[0]}") from errors[
+            0
+        ]
+    return out
+
+
+class OverlappedMoEStage(nn.Module):
+    """``module`` with an ``overlapped_forward_backward(x, y, dy)`` method (what the pipeline runtime calls for an
+    overlapped ``F+B`` action, see ``docs/pipeline_runtime.md``). Shapes: as ``module``."""
+
+    def __init__(self, module: nn.Module, *, timeout: float | None = 600.0) -> None:
+        super().__init__()
+        self.module = module
+        self.timeout = timeout
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def overlapped_forward_backward(self, x: Any, y: torch.Tensor, dy: torch.Tensor | None = None) -> Any:
+        """``self(x)`` while ``torch.autograd.backward(y, dy)`` runs (see :func:`overlapped_forward_backward`)."""
+        return overlapped_forward_backward(self.module, x, y, dy, timeout=self.timeout)

@@ -1,0 +1,249 @@
+"""Rank functions of the expert-parallel tests (module-level: pickled by name by ``splitgrad.testing.spawn``).
+
+Every check runs the single-process ``MoEGPT`` on the whole global batch on every rank (it is small and
+deterministic) and the expert-parallel model on this rank's slice, then compares in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import splitgrad
+from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers
+from splitgrad.parallel.expert import ExpertParallelMoEMLP, load_full_state_dict
+from tests.helpers import grads
+from tests.models.helpers import RTOL, batch, build, moe_config
+
+ATOL = 1e-12
+
+
+def run_model(model, ids, targets, *, delayed: bool):
+    """Forward + backward (+ backward_dw); returns (cross-entropy, per-block input gradients)."""
+    inputs: list[torch.Tensor] = []
+
+    def keep(module, args):
+        x = args[0]
+        x.retain_grad()
+        inputs.append(x)
+
+    handles = [block.register_forward_pre_hook(keep) for block in model.blocks]
+    try:
+        ce = lm_loss(model(ids), targets)
+    finally:
+        for handle in handles:
+            handle.remove()
+    ce.backward()
+    if delayed:
+        if splitgrad.pending_wgrad(model) == 0:
+            raise AssertionError("delayed model parked no wgrad work")
+        splitgrad.backward_dw(model)
+    if splitgrad.pending_wgrad(model):
+        raise AssertionError("wgrad work left after backward_dw")
+    return ce.detach(), [x.grad.clone() for x in inputs]
+
+
+def full_name(model, name: str) -> str:
+    """The single-process parameter name of ``name`` in the expert-parallel ``model``."""
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallelMoEMLP) and name.startswith(f"{prefix}.fc"):
+            head, _, leaf = name.rpartition(".")
+            kind = leaf.rstrip("0123456789")
+            return f"{head}.{kind}{m.expert_offset + int(leaf[len(kind) :])}"
+    return name
+
+
+def close(a, b, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) -> list[dict]:
+    """Per case ``(config overrides, local batch, seq, experts kind)``: the EP model vs the reference."""
+    report = []
+    group = dist.group.WORLD
+    for overrides, local_b, seq, experts in cases:
+        config = moe_config(**overrides)
+        ref = build(MoEGPT, config)
+        ids, targets = batch(config, batch_size=world * local_b, seq=seq)
+        ref_ce, ref_inputs = run_model(ref, ids, targets, delayed=False)
+        ref_total = ref_ce + moe_aux_loss(ref)
+        ref_grads = grads(ref)
+        mine = slice(rank * local_b, (rank + 1) * local_b)
+
+        results = {}
+        for delayed in (False, True):
+            ep = MoEGPT(moe_config(**overrides, delay_wgrad_compute=delayed), ep_group=group, experts=experts)
+            remapped = load_full_state_dict(ep, ref.state_dict())
+            if remapped != 2 * config.num_layers * (1 + config.bias) * config.num_experts // world:
+                raise AssertionError(f"{remapped=} expert tensors remapped")
+            ce, inputs = run_model(ep, ids[mine], targets[mine], delayed=delayed)
+            results[delayed] = grads(ep)
+            total = (ce + moe_aux_loss(ep)).reshape(1)
+            dist.all_reduce(total, group=group)
+            close(total[0] / world, ref_total, "loss")
+            for i, (g, r) in enumerate(zip(inputs, ref_inputs)):
+                close(g / world, r[mine], f"input gradient of block {i}")
+            for name, g in results[delayed].items():
+                g = g.clone()
+                if not getattr(dict(ep.named_parameters())[name], "expert_parallel", False):
+                    dist.all_reduce(g, group=group)  # dense: the data-parallel sum
+                close(g / world, ref_grads[full_name(ep, name)], name)
+            for layer in moe_layers(ep):
+                if sum(layer.last_tokens_per_expert) != world * local_b * seq * config.top_k:
+                    raise AssertionError(f"global token count {layer.last_tokens_per_expert}")
+        # Delayed wgrad is the same arithmetic as immediate mode: bitwise.
+        for name, g in results[True].items():
+            torch.testing.assert_close(
+                g, results[False][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+        # Not trivially passing: this rank's first expert against the reference's *next* expert must differ.
+        layer = moe_layers(ep)[0]
+        wrong = f"blocks.0.mlp.fc1.weight{(layer.expert_offset + 1) % config.num_experts}"
+        local = results[False]["blocks.0.mlp.fc1.weight0"] / world
+        negative = bool(local.abs().sum() + ref_grads[wrong].abs().sum() > 0)  # two idle experts: both zero
+        if negative:
+            try:
+                close(local, ref_grads[wrong], "negative")
+            except AssertionError:
+                pass
+            else:
+                raise AssertionError("a wrong expert's gradient was accepted")
+        idle = [n for layer in moe_layers(ep) for n in layer.last_tokens_per_expert if n == 0]
+        received = [sum(layer.last_tokens_per_expert) for layer in moe_layers(ep)]
+        report.append({"idle_experts": len(idle), "tokens": received, "negative": negative})
+    return report
+
+
+def bad_ep_size(rank: int, world: int) -> str:
+    """num_experts not divisible by the expert-parallel size: a ValueError naming both."""
+    try:
+        MoEGPT(moe_config(num_experts=4), ep_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("no ValueError")
+
+
+def ep_groups(rank: int, world: int, ep: int):
+    """``(ep_group, expert_dp_group)`` for ranks laid out EP-major: ``[0..ep)`` share their tokens' experts."""
+    mine = {}
+    for start in range(0, world, ep):
+        ranks = list(range(start, start + ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["ep"] = group
+    for offset in range(ep):
+        ranks = list(range(offset, world, ep))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["edp"] = group
+    return mine["ep"], mine["edp"]
+
+
+def hook_reduction(
+    rank: int, world: int, ep: int, cases: list[tuple[dict, int, int, str, str]]
+) -> list[dict]:
+    """EP x expert-DP with :class:`ExpertDataParallel` against the single-process reference.
+
+    Per case ``(config overrides, local batch, seq, experts kind, mode)``, mode one of ``immediate``,
+    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation).
+    """
+    from splitgrad.parallel.expert import ExpertDataParallel
+
+    ep_group, edp_group = ep_groups(rank, world, ep)
+    report = []
+    for overrides, local_b, seq, experts, mode in cases:
+        config = moe_config(**overrides)
+        ref = build(MoEGPT, config)
+        ids, targets = batch(config, batch_size=world * local_b, seq=seq)
+        ref_ce, _ = run_model(ref, ids, targets, delayed=False)
+        ref_total = ref_ce + moe_aux_loss(ref)
+        ref_grads = grads(ref)
+        mine = slice(rank * local_b, (rank + 1) * local_b)
+
+        split = {"delay_wgrad_compute": mode != "immediate", "fuse_wgrad_accumulation": mode == "fused"}
+        model = MoEGPT(
+            moe_config(**overrides, **split), ep_group=ep_group, dp_group=dist.group.WORLD, experts=experts
+        )
+        load_full_state_dict(model, ref.state_dict())
+        edp = ExpertDataParallel(
+            model,
+            dp_group=dist.group.WORLD,
+            expert_dp_group=edp_group,
+            bucket_size=2000,
+            grad_reduce_dtype=None,
+        )
+        edp.zero_grad_buffer()
+        ce = lm_loss(edp(ids[mine]), targets[mine])
+        ce.backward()
+        if mode != "immediate":
+            splitgrad.backward_dw(edp)
+        launched_before_finish = [len(ddp.launch_order) for ddp in (edp.dense, edp.expert)]
+        edp.finish_grad_sync()
+        total = (ce.detach() + moe_aux_loss(model)).reshape(1)
+        dist.all_reduce(total)
+        close(total[0] / world, ref_total, "loss")
+        for name, p in model.named_parameters():
+            close(p.main_grad, ref_grads[full_name(model, name)], f"{mode}/{experts}: {name}")
+        # Every bucket of both groups was started by a hook (backward / backward_dw), none by finish_grad_sync.
+        buckets = [len(ddp.buckets) for ddp in (edp.dense, edp.expert)]
+        if launched_before_finish != buckets or min(buckets) < 2:
+            raise AssertionError(f"{mode}: buckets launched early {launched_before_finish} of {buckets}")
+        # Not trivially passing: the expert gradient averaged over the expert-DP group only is rejected.
+        wrong = model.blocks[0].mlp.fc1.weight0
+        try:
+            close(wrong.main_grad * ep, ref_grads[full_name(model, "blocks.0.mlp.fc1.weight0")], "negative")
+        except AssertionError:
+            pass
+        else:
+            raise AssertionError("an expert gradient scaled by the wrong group size was accepted")
+        edp.close()
+        report.append({"mode": mode, "buckets": buckets})
+    return report
+
+
+def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
+    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``: losses and gradients bitwise equal."""
+    from splitgrad.parallel.expert import overlapped_forward_backward
+
+    ep_group, back_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    config = moe_config()
+    ref = build(MoEGPT, config)
+    ids, targets = batch(config, batch_size=4 * world, seq=8)
+    local = ids.view(world, 2, 2, -1)[rank], targets.view(world, 2, 2, -1)[rank]  # (microbatch, 2, seq)
+    out = []
+    for delay, experts in modes:
+        runs = []
+        for overlapped in (False, True):
+            model = MoEGPT(
+                moe_config(delay_wgrad_compute=delay == "delayed"),
+                ep_group=ep_group,
+                ep_backward_group=back_group,
+                experts=experts,
+            )
+            load_full_state_dict(model, ref.state_dict())
+            loss0 = lm_loss(model(local[0][0]), local[1][0])
+            if overlapped:
+                logits1 = overlapped_forward_backward(model, local[0][1], loss0)
+            else:
+                loss0.backward()
+                logits1 = model(local[0][1])
+            loss1 = lm_loss(logits1, local[1][1])
+            loss1.backward()
+            if delay == "delayed":
+                splitgrad.backward_dw(model)
+            runs.append((torch.stack([loss0.detach(), loss1.detach()]), grads(model)))
+        (la, ga), (lb, gb) = runs
+        torch.testing.assert_close(lb, la, rtol=0, atol=0)
+        for name in ga:
+            torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        out.append(f"{delay}/{experts}")
+    # A model whose forward and backward share one group is refused (its collectives could interleave).
+    shared = MoEGPT(config, ep_group=ep_group)
+    try:
+        overlapped_forward_backward(shared, local[0][0], torch.zeros((), requires_grad=True))
+    except ValueError as exc:
+        out.append(str(exc))
+    else:
+        raise AssertionError("overlap with a shared group was accepted")
+    return out

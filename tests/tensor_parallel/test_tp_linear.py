@@ -10,18 +10,20 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.testing import spawn
-from tests.tensor_parallel import tp_checks
+from tests.tensor_parallel import tp_checks, tp_module_checks
 
 pytestmark = pytest.mark.distributed
+
+NAMES = tp_checks.ALL + tp_module_checks.ALL
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[int, list[dict[str, object]]]:
-    return {w: spawn(tp_checks.run_checks, w, tp_checks.ALL, timeout=300, pg_timeout=60) for w in (2, 3)}
+    return {w: spawn(tp_checks.run_checks, w, NAMES, timeout=300, pg_timeout=60) for w in (2, 3)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", tp_checks.ALL)
+@pytest.mark.parametrize("name", NAMES)
 def test_tp_linear(results, world, name):
     failures = [
         f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(results[world]) if res[name] is not None

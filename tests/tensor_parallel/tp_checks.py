@@ -230,10 +230,13 @@ def check_errors(rank: int, world: int) -> None:
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, object]:
     torch.manual_seed(0)
+    from tests.tensor_parallel import tp_module_checks
+
     out: dict[str, object] = {}
     for name in names:
         try:
-            value = globals()[name](rank, world)
+            fn = globals().get(name) or getattr(tp_module_checks, name)
+            value = fn(rank, world)
             out[name] = None
             if value is not None:
                 out[f"{name}:value"] = value

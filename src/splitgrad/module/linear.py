@@ -135,7 +135,13 @@ class Linear(SplitModule):
         if self._init_method is None and not self.tp.splits:
             linear_init_(self.weight, self.bias)
         else:
-            init_tp_linear_(self.tp, self.weight, self.bias, self.in_features, self._init_method)
+            init_tp_linear_(
+                self.tp.parallel_mode if self.tp.splits else None,
+                self.weight,
+                self.bias,
+                self.in_features,
+                self._init_method,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """``x: (..., in_features)`` -> ``(..., out_features)``; sharded shapes: docs/tensor_parallel.md.

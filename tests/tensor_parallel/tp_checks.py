@@ -228,6 +228,31 @@ def check_errors(rank: int, world: int) -> None:
             raise AssertionError(f"no ValueError for {needle!r}")
 
 
+def check_groups(rank: int, world: int) -> None:
+    """tensor_parallel_groups: adjacent TP ranks, outer groups across them; a non-divisor is refused."""
+    from splitgrad.parallel.tensor import tensor_parallel_groups
+
+    whole = tensor_parallel_groups(world)
+    singles = tensor_parallel_groups(1)
+    got = (whole.tp_rank, dist.get_world_size(whole.tp_group), whole.outer_rank, whole.outer_group)
+    if got != (rank, world, 0, None):
+        raise AssertionError(f"tp_size={world}: {got}")
+    sizes = (
+        dist.get_world_size(singles.tp_group),
+        dist.get_world_size(singles.outer_group),
+        singles.outer_rank,
+    )
+    if sizes != (1, world, rank):
+        raise AssertionError(f"tp_size=1: {sizes}")
+    try:
+        tensor_parallel_groups(world + 1)
+    except ValueError as exc:
+        if "tp_size must divide" not in str(exc):
+            raise
+    else:
+        raise AssertionError("no ValueError for a tp_size that does not divide the world")
+
+
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, object]:
     torch.manual_seed(0)
     from tests.tensor_parallel import tp_module_checks
@@ -245,4 +270,10 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, object]:
     return out
 
 
-ALL = ["check_linear_exactness", "check_wrong_answers_rejected", "check_sp_bytes_held", "check_errors"]
+ALL = [
+    "check_groups",
+    "check_linear_exactness",
+    "check_wrong_answers_rejected",
+    "check_sp_bytes_held",
+    "check_errors",
+]

@@ -253,6 +253,47 @@ def check_groups(rank: int, world: int) -> None:
         raise AssertionError("no ValueError for a tp_size that does not divide the world")
 
 
+def check_gpt_tp(rank: int, world: int) -> None:
+    """GPT with tp_size = world (heads and MLP split) trains like tp_size=1: loss and every gradient shard."""
+    from splitgrad.models import GPT, GPTConfig, lm_loss, shard_gpt_state_dict
+
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 17, (2, 8), generator=gen)
+    targets = torch.randint(0, 17, (2, 8), generator=gen)
+    for act in ("gelu", "swiglu"):
+        for delay in (False, True):
+            common = dict(vocab_size=17, seq_len=8, hidden_size=24, num_heads=6, ffn_hidden_size=48,
+                          activation=act, params_dtype=F64, delay_wgrad_compute=delay)  # fmt: skip
+            torch.manual_seed(3)
+            ref = GPT(GPTConfig(**common))
+            tp = GPT(GPTConfig(**common, tp_size=world), tp_group=dist.group.WORLD)
+            tp.load_state_dict(shard_gpt_state_dict(ref.state_dict(), tp.config, rank, world))
+            losses = []
+            for model in (ref, tp):
+                loss = lm_loss(model(ids), targets)
+                loss.backward()
+                splitgrad.backward_dw(model)
+                losses.append(loss.detach())
+            what = f"GPT tp={world} {act} {delay=}"
+            _close(f"{what} loss", losses[1], losses[0], TOL)
+            expected = shard_gpt_state_dict(
+                {n: p.grad for n, p in ref.named_parameters()}, tp.config, rank, world
+            )
+            for name, p in tp.named_parameters():
+                _close(f"{what} {name}.grad", p.grad, expected[name], TOL)
+    # Negative: the unsharded (rank 0's) qkv rows instead of this rank's heads give a different loss.
+    torch.manual_seed(3)
+    ref = GPT(GPTConfig(**common))
+    tp = GPT(GPTConfig(**common, tp_size=world), tp_group=dist.group.WORLD)
+    wrong = shard_gpt_state_dict(ref.state_dict(), tp.config, rank, world)
+    for name in wrong:
+        if ".attn.qkv.weight" in name:
+            wrong[name] = ref.state_dict()[name][: wrong[name].shape[0]].clone()
+    tp.load_state_dict(wrong)
+    if torch.allclose(lm_loss(tp(ids), targets), lm_loss(ref(ids), targets), **TOL):
+        raise AssertionError("GPT with naively sharded qkv rows matched the reference: the check cannot fail")
+
+
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, object]:
     torch.manual_seed(0)
     from tests.tensor_parallel import tp_module_checks
@@ -276,4 +317,5 @@ ALL = [
     "check_wrong_answers_rejected",
     "check_sp_bytes_held",
     "check_errors",
+    "check_gpt_tp",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+import splitgrad
 from splitgrad.models import GPT, GPTConfig, lm_loss, shard_gpt_state_dict, split_into_stages
+from splitgrad.parallel import DistributedDataParallel as DDP
 from splitgrad.parallel import tensor_parallel_groups
 from splitgrad.pipeline.build import build_runtime
 from tests.pipeline_runtime.workers import MB, VOCAB, gpt_reference, token_batch
@@ -48,4 +50,35 @@ def pp_tp_worker(rank: int, world: int, schedules: list[str]) -> dict:
             "w_tasks": result.w_tasks,
             "checked": len(params),
         }
+    out["tp2xdp2 ddp"] = tp_dp_check(groups, common)
     return out
+
+
+def tp_dp_check(groups, common: dict) -> dict:
+    """tp=2 x dp=2: splitgrad DDP over the outer group of a TP GPT (deferred wgrad, hook-driven buckets)."""
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(**common))
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model = GPT(GPTConfig(**common, tp_size=2), tp_group=groups.tp_group)
+    model.load_state_dict(shard_gpt_state_dict(full.state_dict(), model.config, groups.tp_rank, 2))
+    ddp = DDP(model, process_group=groups.outer_group, grad_reduce_dtype=None, bucket_size=2000, timeout=120)
+    batches = [token_batch(1, seed=200 + d) for d in range(2)]
+    ids, tgt = batches[groups.outer_rank]
+    lm_loss(ddp(ids), tgt).backward()
+    splitgrad.backward_dw(model)
+    ddp.finish_grad_sync()
+    ref_loss = sum(lm_loss(full(i), t) for i, t in batches) / 2  # the data-parallel average
+    ref_loss.backward()
+    splitgrad.backward_dw(full)
+    ref = shard_gpt_state_dict(
+        {n: p.grad for n, p in full.named_parameters()}, model.config, groups.tp_rank, 2
+    )
+    bad = [
+        n
+        for n, p in model.named_parameters()
+        if not torch.allclose(p.main_grad, ref[n], rtol=RTOL, atol=ATOL)
+    ]
+    return {"bad": bad, "loss": ref_loss.item(), "ref_loss": ref_loss.item(), "w_tasks": 1,
+            "checked": sum(1 for _ in model.parameters())}  # fmt: skip

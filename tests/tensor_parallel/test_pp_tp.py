@@ -1,4 +1,5 @@
-"""pp=2 x tp=2 (4 gloo ranks): the pipeline runtime runs a tensor-parallel GPT with deferred wgrad.
+"""pp=2 x tp=2 (4 gloo ranks): the pipeline runtime runs a tensor-parallel GPT with deferred wgrad; and
+tp=2 x dp=2: splitgrad's DistributedDataParallel over the TP shards' outer group.
 
 Why: the TP layers communicate inside forward, backward and W; the pipeline moves activations between stages
 on another group and runs W at its own time. Every TP pair must issue the same collectives in the same order
@@ -23,7 +24,7 @@ def results() -> list[dict]:
     return spawn(pp_tp_worker, 4, SCHEDULES, timeout=400, pg_timeout=120)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "tp2xdp2 ddp"])
 def test_pp2_tp2_matches_tp1(results, schedule):
     for rank, res in enumerate(results):
         r = res[schedule]

@@ -4,7 +4,7 @@ holds between B and W under each ``sp_wgrad_input`` option.
 
 Run it inside the rate-limited loopback namespace (on plain loopback gloo is CPU work and nothing can hide):
 
-    python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_tp.py
+    .venv/bin/python benchmarks/_netns.py --rate 1gbit -- .venv/bin/python benchmarks/bench_tp.py
 
 hidden = (step without overlap - step with overlap) / (time of the overlappable collectives alone): the input
 all-gather that runs under the column layer's dgrad GEMM and the dgrad reduce-scatter that runs under its
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=7)
     a = p.parse_args(argv)
     res = spawn(rank_main, 2, a.seq, a.hidden, a.ffn, a.rounds, timeout=1200, pg_timeout=600)
     print(f"TP MLP block, 2 ranks x 1 thread, s={a.seq} b=1 h={a.hidden} ffn={a.ffn} fp32, sequence parallel")

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitgrad.pipeline import build_schedule, channel_order_problems
-from splitgrad.testing.spawn import spawn
+from splitgrad.pipeline import build_schedule
+from splitgrad.pipeline.validate import channel_order_problems
+from splitgrad.testing import spawn
 
 from . import workers
 
@@ -167,3 +168,23 @@ def test_pipeline_x_data_parallel(four_rank_results, name):
         _assert_check(f"pp2 x dp2 {name} rank {rank}", out, split=name in workers.SPLIT)
         # Buckets complete inside the step (at their last W or B), not only in finish_grad_sync().
         assert sum(out["launched_early"]) > 0, f"{name} rank {rank}: no bucket reduction overlapped the step"
+
+
+def test_schedule_must_fit_the_pipeline_group(two_rank_results):
+    # Issue 11 item 9: a one-rank schedule under a 2-rank group used to run the whole model on both ranks.
+    results, _ = two_rank_results
+    for rank, res in enumerate(results):
+        out = res["group size"]
+        errors = out["errors"]
+        for label in (
+            "build 1-rank schedule, 2-rank default group",
+            "PipelineRuntime 1-rank schedule, 2-rank default group",
+        ):
+            msg = errors[label]
+            assert msg is not None and msg.startswith("ValueError"), f"rank {rank}, {label}: built ({msg})"
+            assert "n_ranks=1" in msg and "default process group has 2 ranks" in msg, msg
+            assert "'1f1b'" in msg or "'gpipe'" in msg, msg
+        msg = errors["build 2-rank schedule, wrong rank"]
+        assert msg is not None and f"rank={1 - rank} but this process is rank {rank}" in msg, msg
+        # The same one-rank schedule on a one-rank group of its own is accepted and exact.
+        _assert_check(f"one-rank pipeline group, rank {rank}", out, split=False)

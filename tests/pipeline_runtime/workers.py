@@ -27,6 +27,8 @@ from splitgrad.models import (
     set_aux_loss_scale,
     split_into_stages,
 )
+from splitgrad.parallel import DDPConfig
+from splitgrad.pipeline import build_schedule
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
 from splitgrad.pipeline.comm import PipelineComm
 from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
@@ -143,7 +145,7 @@ def run_gpt_check(
     ref_loss, ref = gpt_reference(
         model, *zip(*[(i, t) for b in batches for i, t in zip(b[0].split(MB), b[1].split(MB))])
     )
-    ddp_options = {"bucket_size": 2000} if dp_group is not None else None
+    ddp = DDPConfig(bucket_size=2000) if dp_group is not None else None
     rt = build_runtime(
         stages,
         name,
@@ -151,7 +153,7 @@ def run_gpt_check(
         loss_fn=lm_loss,
         pp_group=pp_group,
         dp_group=dp_group,
-        ddp_options=ddp_options,
+        ddp=ddp,
         timeout=60,
         schedule_options={"split_backward": True} if split_backward else None,
     )
@@ -183,6 +185,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["posting"] = posting_order_check(world)
     results["bitwise"] = bitwise_family_check(world)
     results["auto"] = auto_check(world)
+    results["group size"] = group_size_check(rank, world)
     return results
 
 
@@ -203,6 +206,48 @@ def four_rank_worker(rank: int, world: int) -> dict:
             dp_size=2,
         )
     return results
+
+
+def group_size_check(rank: int, world: int) -> dict:
+    """Schedules whose rank count differs from the pipeline group's are refused at build time, by name.
+
+    Returns the error messages (None where building succeeded) and, as the positive case, the loss and
+    gradients of a one-rank schedule run on a one-rank group of its own next to the reference.
+    """
+    blocks = mlp_blocks(delay=True)
+    one, two = sequential_stages(blocks, 1), sequential_stages(blocks, 2, sizes=[4, 3])
+    errors = {
+        "build 1-rank schedule, 2-rank default group": _build_error(
+            lambda: build_runtime(one, "1f1b", n_microbatches=2, loss_fn=F.mse_loss)
+        ),
+        "PipelineRuntime 1-rank schedule, 2-rank default group": _build_error(
+            lambda: PipelineRuntime(one, build_schedule("gpipe", 1, 2), loss_fn=F.mse_loss)
+        ),
+        "build 2-rank schedule, wrong rank": _build_error(
+            lambda: build_runtime(two, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, rank=1 - rank)
+        ),
+    }
+    # Every rank creates every group (new_group is collective); each runs its own one-rank pipeline.
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    rt = build_runtime(one, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, pp_group=solo)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    result = rt.step(x, y)
+    reference = nn.Sequential(*mlp_blocks(delay=False))
+    loss = torch.stack([F.mse_loss(reference(a), b) for a, b in zip(x.split(2), y.split(2))]).mean()
+    loss.backward()
+    out = compare(nn.Sequential(*blocks), rt, {n: p.grad for n, p in reference.named_parameters()})
+    out.update(errors=errors, loss=result.loss.item(), ref_loss=loss.item(), w_tasks=result.w_tasks)
+    return out
+
+
+def _build_error(build) -> str | None:
+    try:
+        build()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def mlp_blocks(*, delay: bool) -> list[nn.Module]:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..core import guard_optimizer
 from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stages
 from ..pipeline import build_runtime
-from .demo import DemoConfig, stages_for
+from ._demo_checks import stages_for
+from ._demo_config import DemoConfig
 
 __all__ = ["stages_for", "train_all"]
 
@@ -81,6 +82,8 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
     gathered = [torch.empty_like(mine) for _ in range(cfg.ranks)]
     dist.all_gather(gathered, mine)
     per_rank = [{"activation_mib": float(t[0]), "max_rss_mib": float(t[1])} for t in gathered]
+    # Release the process groups now, not whenever the runtime is collected: the caller destroys them next.
+    runtime.close()
     # Steady state: skip the first steps (allocator warm-up, first-touch of buffers).
     steady = durations[min(3, len(durations) - 1) :]
     return {

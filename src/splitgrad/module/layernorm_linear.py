@@ -17,10 +17,10 @@ from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
 from ._tp_norm import norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
-__all__ = ["LayerNormLinear", "LayerNormLinearFunction"]
+__all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinearFunction(torch.autograd.Function):
+class _LayerNormLinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`LayerNormLinear`.
 
     Shapes: ``x: (..., in)``, ``ln_weight/ln_bias: (in,)``, ``weight: (out, in)``, ``bias: (out,) | None`` ->
@@ -199,7 +199,7 @@ class LayerNormLinear(SplitModule):
             out = (y, ln_out) if self.return_layernorm_output else y
         else:
             out = self.apply_function(
-                LayerNormLinearFunction,
+                _LayerNormLinearFunction,
                 x,
                 self.layer_norm_weight,
                 self.layer_norm_bias,

@@ -19,10 +19,10 @@ from ._tp_mlp import TPMLPFunction
 from ._tp_norm import norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
-__all__ = ["LayerNormMLP", "LayerNormMLPFunction"]
+__all__ = ["LayerNormMLP"]
 
 
-class LayerNormMLPFunction(torch.autograd.Function):
+class _LayerNormMLPFunction(torch.autograd.Function):
     """Autograd Function of :class:`LayerNormMLP`.
 
     Shapes: ``x: (..., hidden)``, ``fc1_weight: (F1, hidden)`` with ``F1 = ffn`` or ``2 * ffn`` (gated),
@@ -224,7 +224,7 @@ class LayerNormMLP(SplitModule):
             )
         else:
             y = self.apply_function(
-                LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
+                _LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
                 self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self,
             )  # fmt: skip
         return (y, self.fc2_bias) if self.return_bias else y

@@ -15,10 +15,10 @@ from ._linear_wgrad import hand_over_linear_wgrad
 from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
 from ._tp_params import init_tp_linear_, mark_tp_params
 
-__all__ = ["Linear", "LinearFunction"]
+__all__ = ["Linear"]
 
 
-class LinearFunction(torch.autograd.Function):
+class _LinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`Linear`; backward splits dgrad from wgrad through ``owner``.
 
     Shapes: ``x: (..., in)``, ``weight: (out, in)``, ``bias: (out,) | None`` -> ``y: (..., out)``.
@@ -154,7 +154,7 @@ class Linear(SplitModule):
             y = self.apply_function(TPLinearFunction, x, self.weight, bias, self)
         else:
             self._check_last_dim(x, self.in_features, "in_features")
-            y = self.apply_function(LinearFunction, x, self.weight, bias, self)
+            y = self.apply_function(_LinearFunction, x, self.weight, bias, self)
         return (y, self.bias) if self.return_bias else y
 
     def wgrad_parameters(self) -> list[nn.Parameter]:

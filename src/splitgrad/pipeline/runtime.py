@@ -8,7 +8,7 @@ capture bundle, ``W`` running exactly that bundle, ``BW``), times it
 
 Every action reaches its handler through one table (kind -> method), so a new kind touches the IR, the
 simulator and one handler. Data parallelism composes per stage, driven by the schedule's gradient-sync points
-(:func:`splitgrad.pipeline.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
+(:func:`splitgrad.pipeline.passes.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
 stage module with ``no_sync()`` and ``finish_grad_sync()`` (a :class:`splitgrad.parallel.DistributedDataParallel`)
 runs its actions inside ``no_sync()`` until its ``R`` point, so each bucket starts reducing as soon as its last
 contribution (often a ``W``) has run, and ``finish_grad_sync()`` runs at its ``RF`` point.
@@ -37,7 +37,7 @@ from .passes import add_grad_sync, has_grad_sync
 from .timeline import TimelineEvent
 from .validate import validate
 
-__all__ = ["PipelineRuntime", "StepResult"]
+__all__ = ["PipelineRuntime", "StepResult", "resolve_pipeline_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PipelineRuntime:
             hidden)``); boundary tensors must be floating point. Build splitgrad layers with
             ``delay_wgrad_compute=True`` for ``W`` to do any work.
         schedule: the schedule every rank runs (validated here). Without gradient-sync points it is lowered
-            with :func:`~splitgrad.pipeline.add_grad_sync` when a local stage can sync gradients;
+            with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a local stage can sync gradients;
             :attr:`schedule` is what runs.
         loss_fn: ``loss_fn(last stage output, target) -> scalar`` for one microbatch; the step's loss is the
             mean over microbatches (gradients are scaled by ``1 / n_microbatches``).
@@ -118,25 +118,7 @@ class PipelineRuntime:
         if check_schedule:
             validate(schedule)
         distributed = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            if schedule.n_ranks == 1:
-                rank = 0
-            elif not distributed:
-                raise RuntimeError(
-                    f"PipelineRuntime: schedule {schedule.name!r} spans {schedule.n_ranks} ranks but "
-                    "torch.distributed is not initialised"
-                )
-            else:
-                rank = dist.get_rank(pp_group)
-        if not 0 <= rank < schedule.n_ranks:
-            raise ValueError(
-                f"PipelineRuntime: {rank=} outside the schedule's ranks 0..{schedule.n_ranks - 1}"
-            )
-        if distributed and schedule.n_ranks > 1 and dist.get_world_size(pp_group) != schedule.n_ranks:
-            raise ValueError(
-                f"PipelineRuntime: the pipeline group has {dist.get_world_size(pp_group)} ranks but schedule "
-                f"{schedule.name!r} needs {schedule.n_ranks}"
-            )
+        rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
         self.rank = rank
         self.pp_group = pp_group
         self.loss_fn = loss_fn
@@ -162,6 +144,7 @@ class PipelineRuntime:
         # Set when a distributed step fails: receives it posted may still be pending in the backend and would
         # take the next step's messages, so the runtime refuses to run again.
         self._failed: str | None = None
+        self._closed = False
         self.executor = StageExecutor(
             self.stages,
             n_stages=schedule.n_stages,
@@ -175,21 +158,23 @@ class PipelineRuntime:
         #: first steps, then installs a plan (:class:`~splitgrad.pipeline.autoplan.ProfileGuidedPlanner`).
         self.planner: Any = None
         self.install_schedule(schedule, check=False)
-        # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
-        self._handlers: dict[ActionKind, Callable[[AnyAction, dict[Transfer, torch.Tensor]], None]] = {
-            ActionKind.F: self._forward,
-            ActionKind.B: self._backward,
-            ActionKind.BW: self._backward,
-            ActionKind.W: self._weight,
-            ActionKind.FB: self._overlapped,
-            ActionKind.R: self._open_grad_sync,
-            ActionKind.RF: self._finish_grad_sync,
+        # One handler per action kind: the runtime interprets the schedule and decides nothing itself. Plain
+        # functions, not bound methods: a dict of bound methods on self is a reference cycle that would keep a
+        # dropped runtime (and its process groups) alive until the garbage collector runs.
+        self._handlers: dict[ActionKind, Callable[..., None]] = {
+            ActionKind.F: PipelineRuntime._forward,
+            ActionKind.B: PipelineRuntime._backward,
+            ActionKind.BW: PipelineRuntime._backward,
+            ActionKind.W: PipelineRuntime._weight,
+            ActionKind.FB: PipelineRuntime._overlapped,
+            ActionKind.R: PipelineRuntime._open_grad_sync,
+            ActionKind.RF: PipelineRuntime._finish_grad_sync,
         }
         self._sync_open: set[int] = set()
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
         """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
-        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.add_grad_sync` when a
+        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a
         local stage syncs gradients and the schedule has no sync points.
 
         Raises:
@@ -214,7 +199,7 @@ class PipelineRuntime:
         if unsynced:
             raise ValueError(
                 f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
-                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.add_grad_sync"
+                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.passes.add_grad_sync"
             )
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]
@@ -273,6 +258,8 @@ class PipelineRuntime:
                 weight-gradient work is pending in the stages before the step.
             ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
         """
+        if self._closed:
+            raise RuntimeError(f"PipelineRuntime (pipeline rank {self.rank}): step() after close()")
         if self._failed is not None:
             raise RuntimeError(
                 f"PipelineRuntime (pipeline rank {self.rank}): a previous step failed ({self._failed}); messages "
@@ -344,7 +331,7 @@ class PipelineRuntime:
                 for transfer in self.schedule.receives(ahead):
                     self.comm.prefetch(transfer, ahead)
         with self.recorder.action(action):
-            self._handlers[action.kind](action, received)
+            self._handlers[action.kind](self, action, received)
 
     def _syncing(self, *stages: int) -> contextlib.AbstractContextManager[None]:
         """``no_sync()`` of every given data-parallel stage whose ``R`` point has not run yet."""
@@ -442,6 +429,34 @@ class PipelineRuntime:
         )
         return buf
 
+    # -- teardown ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release this rank's hold on the process groups: the transport, and the stages' data-parallel wrappers.
+
+        Every stage module with a ``close()`` (a :class:`splitgrad.parallel.DistributedDataParallel`, e.g. the
+        ones :func:`~splitgrad.pipeline.build_runtime` creates) is closed. Call it (or use the runtime as a
+        context manager) before ``dist.destroy_process_group()``; a runtime that is simply dropped releases
+        the same, when it is garbage-collected. Idempotent; afterwards :meth:`step` raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.comm is not None:
+            self.comm.abort()
+        self.comm = None
+        self.pp_group = None
+        for module in self.stages.values():
+            close = getattr(module, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> PipelineRuntime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once), e.g. for its optimizer."""
         seen: dict[int, nn.Parameter] = {}
@@ -483,3 +498,64 @@ class PipelineRuntime:
         if plan is not None and plan.schedule is self.schedule:
             report += f"; planned {100 * plan.predicted_bubble:.1f}% from the profiled costs"
         return report
+
+
+def resolve_pipeline_rank(
+    schedule: Schedule, *, rank: int | None = None, pp_group: dist.ProcessGroup | None = None, who: str
+) -> int:
+    """This process's rank in ``schedule``, after checking that the pipeline group fits the schedule.
+
+    The group must have exactly ``schedule.n_ranks`` ranks, in every case: a one-rank schedule under a larger
+    group would silently run the whole model on every rank, and a multi-rank schedule without
+    ``torch.distributed`` could only fail later, mid-step.
+
+    Args:
+        schedule: the schedule to run.
+        rank: the rank asked for (None: this process's rank in ``pp_group``, or 0 without a process group).
+        pp_group: the pipeline group (None: the default group, when torch.distributed is initialised).
+        who: the caller, named in error messages.
+
+    Raises:
+        RuntimeError: a multi-rank schedule while torch.distributed is not initialised.
+        ValueError: the group's size differs from ``schedule.n_ranks``, this process is not in the group,
+            or ``rank`` is not this process's rank in it (or outside the schedule).
+    """
+    n_ranks = schedule.n_ranks
+    if not (dist.is_available() and dist.is_initialized()):
+        if pp_group is not None or n_ranks > 1:
+            raise RuntimeError(
+                f"{who}: schedule {schedule.name!r} spans {n_ranks} ranks but torch.distributed is not "
+                f"initialised (no process group for n_ranks={n_ranks}); call torch.distributed.init_process_group() on every rank first (and pass the "
+                "pipeline's pp_group), or build a one-rank schedule"
+            )
+        rank = 0 if rank is None else rank
+    else:
+        group_size = dist.get_world_size(pp_group)
+        group_rank = dist.get_rank(pp_group)
+        group = "the default process group" if pp_group is None else "pp_group"
+        if group_rank < 0:
+            raise ValueError(
+                f"{who}: this process (global rank {dist.get_rank()}) is not a member of pp_group; pass the "
+                "pipeline group this process belongs to"
+            )
+        if group_size != n_ranks:
+            hint = (
+                " (each of its ranks would run the whole model); pass a one-rank pp_group, e.g. from "
+                "pipeline_groups(1, dp_size)"
+                if n_ranks == 1
+                else ""
+            )
+            raise ValueError(
+                f"{who}: schedule {schedule.name!r} has n_ranks={n_ranks} but {group} has {group_size} "
+                f"ranks{hint}; build the schedule for {group_size} ranks or pass a pp_group of {n_ranks}"
+            )
+        if rank is None:
+            rank = group_rank
+        elif rank != group_rank:
+            raise ValueError(
+                f"{who}: rank={rank} but this process is rank {group_rank} of {group} "
+                f"({group_size} ranks) running schedule {schedule.name!r}"
+            )
+    if not 0 <= rank < n_ranks:
+        raise ValueError(f"{who}: {rank=} outside the schedule's ranks 0..{n_ranks - 1}")
+    return rank

@@ -167,6 +167,11 @@ def _embedding(delay: bool, fuse: bool, dtype: torch.dtype) -> nn.Module:
 SPLITS = [3, 5, 2]  # every group non-empty: a zero wgrad into main_grad would look like "not written"
 
 
+def _add_returned_bias(subject: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y, bias = subject(x)
+    return (y + bias,)
+
+
 def _grouped_call(subject: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (subject(x, SPLITS),)
 
@@ -194,6 +199,23 @@ CASES: list[Case] = [
         x_shape=(2, 3, 8),
         reference=lambda p, x: (_linear(x, p["weight"], p["bias"]),),
         frozen=("bias",),
+    ),
+    Case(
+        name="Linear(tp keywords, one rank, return_bias)",
+        make=lambda d, f, t: splitgrad.Linear(
+            8,
+            5,
+            tp_size=1,
+            parallel_mode="row",
+            sequence_parallel=True,
+            return_bias=True,
+            **_module_kw(d, f, t),
+        ),
+        x_shape=(2, 3, 8),
+        call=_add_returned_bias,
+        reference=lambda p, x: (_linear(x, p["weight"], p["bias"]),),
+        notes="frozen: skipped, the weight is its only split parameter (the bias is returned and added by the "
+        "caller, its gradient accumulated by autograd)",
     ),
     Case(
         name="LayerNormLinear",

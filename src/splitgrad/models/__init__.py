@@ -9,6 +9,7 @@ from .gpt import GPT, lm_loss
 from .moe import AuxLossInjector, MoEGPT, MoEMLP, moe_aux_loss, moe_layers, set_aux_loss_scale
 from .reference import ReferenceModel, reference_twin
 from .stages import StageModule, split_into_stages, stage_layer_counts
+from .tp import shard_gpt_state_dict
 
 __all__ = [
     "GPT",
@@ -28,6 +29,7 @@ __all__ = [
     "moe_layers",
     "reference_twin",
     "set_aux_loss_scale",
+    "shard_gpt_state_dict",
     "split_into_stages",
     "stage_layer_counts",
     "stdlib_text",

@@ -63,6 +63,9 @@ class GPTConfig:
     """Splitgrad layers add weight gradients into ``param.main_grad`` (set by a data-parallel wrapper)."""
     params_dtype: torch.dtype | None = None
     """Parameter dtype; ``None`` means torch's default dtype."""
+    tp_size: int = 1
+    """Tensor-parallel ranks: attention heads and the MLP's inner size are split over them (``GPT(config,
+    tp_group=...)``, see docs/tensor_parallel.md); 1 is the unsplit model."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -82,6 +85,16 @@ class GPTConfig:
             raise ValueError(
                 f"{type(self).__name__}: num_heads must divide hidden_size, got "
                 f"hidden_size={self.hidden_size} num_heads={self.num_heads}"
+            )
+        if not isinstance(self.tp_size, int) or self.tp_size < 1 or self.num_heads % self.tp_size:
+            raise ValueError(
+                f"{type(self).__name__}: tp_size must be a positive int dividing num_heads, got "
+                f"tp_size={self.tp_size} num_heads={self.num_heads}"
+            )
+        if self.ffn_hidden_size % self.tp_size:
+            raise ValueError(
+                f"{type(self).__name__}: tp_size must divide ffn_hidden_size, got "
+                f"tp_size={self.tp_size} ffn_hidden_size={self.ffn_hidden_size}"
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(

@@ -20,6 +20,7 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +32,14 @@ from .config import GPTConfig
 __all__ = ["GPT", "Attention", "Block", "Embedding", "Head", "Norm", "lm_loss"]
 
 logger = logging.getLogger(__name__)
+
+
+def _tp_kwargs(tp_group: dist.ProcessGroup | None, config: GPTConfig, mode: str | None) -> dict:
+    """Tensor-parallel keywords of one layer (none for the unsplit model)."""
+    if config.tp_size == 1:
+        return {}
+    kw = {"tp_group": tp_group, "tp_size": config.tp_size}
+    return kw if mode is None else {**kw, "parallel_mode": mode}
 
 
 def _split_kwargs(config: GPTConfig) -> dict:
@@ -97,11 +106,13 @@ class Attention(nn.Module):
     ``qkv`` (a :class:`~splitgrad.LayerNormLinear`, the block's pre-norm fused in) produces ``[q | k | v]``
     along the last dimension, each split into ``num_heads`` contiguous heads; attention is
     ``F.scaled_dot_product_attention(..., is_causal=True)``; ``proj`` is a :class:`~splitgrad.Linear`.
+    With ``config.tp_size > 1``, ``qkv`` is column-parallel (this rank's heads of q, k and v: ``[q_r | k_r |
+    v_r]``), attention runs on ``num_heads / tp_size`` heads and ``proj`` is row-parallel.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
+        self.num_heads = config.num_heads // config.tp_size  # this rank's heads
         self.dropout = config.dropout
         h = config.hidden_size
         self.qkv = LayerNormLinear(
@@ -111,20 +122,20 @@ class Attention(nn.Module):
             config.bias,
             normalization=config.normalization,
             zero_centered_gamma=config.zero_centered_gamma,
+            **_tp_kwargs(tp_group, config, "column"),
             **_split_kwargs(config),
         )
-        self.proj = Linear(h, h, config.bias, **_split_kwargs(config))
+        self.proj = Linear(h, h, config.bias, **_tp_kwargs(tp_group, config, "row"), **_split_kwargs(config))
+        self.head_dim = config.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
+        b, s, _ = x.shape
         # (b, s, 3, heads, hd) -> three (b, heads, s, hd)
-        q, k, v = (
-            self.qkv(x).view(b, s, 3, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        )
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -135,10 +146,10 @@ class Block(nn.Module):
         mlp: the MLP branch (norm included): a :class:`~splitgrad.LayerNormMLP` or an MoE layer.
     """
 
-    def __init__(self, config: GPTConfig, mlp: nn.Module) -> None:
+    def __init__(self, config: GPTConfig, mlp: nn.Module, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.dropout = config.dropout
-        self.attn = Attention(config)
+        self.attn = Attention(config, tp_group)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,14 +198,28 @@ class GPT(nn.Module):
     Args:
         config: architecture and splitgrad switches (see :class:`GPTConfig`).
         device: where to create the parameters (default: torch's default device).
+        tp_group: the tensor-parallel group of ``config.tp_size`` ranks (required when it is > 1): every
+            block's heads and MLP inner size are split over it; embeddings, norms and the head are
+            replicated (their gradients are identical on every TP rank). Load a ``tp_size=1`` model's weights
+            with :func:`splitgrad.models.shard_gpt_state_dict`.
     """
 
-    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        *,
+        device: torch.device | str | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
+        if config.tp_size > 1 and (tp_group is None or dist.get_world_size(tp_group) != config.tp_size):
+            got = None if tp_group is None else dist.get_world_size(tp_group)
+            raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
+        self.tp_group = tp_group
         self.embed = Embedding(config)
         self.blocks = nn.ModuleList(
-            Block(config, self._make_mlp(config, i)) for i in range(config.num_layers)
+            Block(config, self._make_mlp(config, i), tp_group) for i in range(config.num_layers)
         )
         self.head = Head(config)
         self.reset_parameters()
@@ -212,6 +237,7 @@ class GPT(nn.Module):
             normalization=config.normalization,
             activation=config.activation,
             zero_centered_gamma=config.zero_centered_gamma,
+            **_tp_kwargs(self.tp_group, config, None),
             **_split_kwargs(config),
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,7 +11,11 @@ from torch import nn
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.tp_config import shard_size, tensor_parallel_config
 from ._linear_wgrad import hand_over_linear_wgrad
+from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
+from ._tp_norm import norm_autograd
+from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
 __all__ = ["LayerNormLinear"]
 
@@ -84,7 +90,13 @@ class LayerNormLinear(SplitModule):
         bias: learn the linear's additive bias.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"`` (``x * rsqrt(mean(x^2) + eps) * gamma``, no bias).
         zero_centered_gamma: the scale applied is ``1 + layer_norm_weight`` (initialised to zeros).
-        return_layernorm_output: ``forward`` returns ``(y, ln_out)``, both differentiable.
+        return_layernorm_output: ``forward`` returns ``(y, ln_out)``, both differentiable (under sequence
+            parallelism ``ln_out`` is this rank's sequence shard, before the all-gather).
+        tp_group, tp_size, sequence_parallel, return_bias, init_method, sp_wgrad_input: as
+            :class:`~splitgrad.Linear`; the norm runs on the local activation (its sequence shard under
+            sequence parallelism, where ``layer_norm_weight``/``layer_norm_bias`` carry
+            ``sequence_parallel = True``) and its gradients flow through autograd.
+        parallel_mode: None or ``"column"`` (TE supports only these here).
         delay_wgrad_compute: park the linear's weight gradient for :meth:`backward_dw`.
         fuse_wgrad_accumulation: add the linear's weight gradient into ``weight.main_grad``.
         params_dtype: parameter dtype (default: torch's default dtype).
@@ -103,10 +115,17 @@ class LayerNormLinear(SplitModule):
         normalization: str = "LayerNorm",
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        tp_size: int | None = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sp_wgrad_input: str = "keep",
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
@@ -120,6 +139,22 @@ class LayerNormLinear(SplitModule):
         self.normalization = normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)
+        if sp_wgrad_input not in SP_WGRAD_INPUTS:
+            raise ValueError(
+                f"LayerNormLinear: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
+            )
+        owner = f"LayerNormLinear({in_features}, {out_features})"
+        self.tp = tensor_parallel_config(
+            tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel, owner=owner, allowed_modes=(None, "column"),
+        )  # fmt: skip
+        self.return_bias = bool(return_bias)
+        self.sp_wgrad_input = sp_wgrad_input
+        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
+        self.tp_comm_overlap = True
+        self._init_method = init_method
+        if self.tp.splits:
+            out_features = shard_size(out_features, self.tp, owner=owner, name="out_features")
         factory = {"dtype": params_dtype, "device": device}
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
         if normalization == "LayerNorm":
@@ -132,6 +167,8 @@ class LayerNormLinear(SplitModule):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        mark_tp_params(self.tp, self.weight, self.bias)
+        mark_sequence_parallel(self.tp, self.layer_norm_weight, self.layer_norm_bias)
         self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
@@ -139,26 +176,50 @@ class LayerNormLinear(SplitModule):
     def reset_parameters(self) -> None:
         """Norm: gamma ones (zeros when zero-centered), beta zeros; linear: ``torch.nn.Linear``'s init."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
-        linear_init_(self.weight, self.bias)
+        if self._init_method is None:
+            linear_init_(self.weight, self.bias)
+        else:
+            init_tp_linear_("column", self.weight, self.bias, self.in_features, self._init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``x: (..., in_features)`` -> ``(..., out_features)`` (and ``ln_out: (..., in_features)``)."""
+        """``x: (..., in_features)`` -> ``(..., out_features)`` (and ``ln_out: (..., in_features)``).
+
+        With ``return_bias=True`` the bias is not added and comes last: ``(y, bias)`` / ``(y, ln_out, bias)``.
+        Column-parallel shapes: output ``(..., out_features // tp)``; under sequence parallelism the input is
+        ``(s / tp, b, in_features)`` and the output ``(s, b, out_features // tp)``.
+        """
         self._check_last_dim(x, self.in_features, "in_features")
-        return self.apply_function(
-            _LayerNormLinearFunction,
-            x,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.weight,
-            self.bias,
-            self,
-        )
+        bias = None if self.return_bias else self.bias
+        if self.tp.splits:
+            ln_out = norm_autograd(
+                x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
+                eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+            )  # fmt: skip
+            y = self.apply_function(TPLinearFunction, ln_out, self.weight, bias, self)
+            out = (y, ln_out) if self.return_layernorm_output else y
+        else:
+            out = self.apply_function(
+                _LayerNormLinearFunction,
+                x,
+                self.layer_norm_weight,
+                self.layer_norm_bias,
+                self.weight,
+                bias,
+                self,
+            )
+        if not self.return_bias:
+            return out
+        return (*out, self.bias) if isinstance(out, tuple) else (out, self.bias)
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+        # With return_bias the bias gradient flows through autograd (the caller adds the bias).
+        return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"normalization={self.normalization}"
         )
+        if self.tp.splits:
+            text += f", parallel_mode='column', tp_size={self.tp.size}, sequence_parallel={self.tp.sequence_parallel}"
+        return text

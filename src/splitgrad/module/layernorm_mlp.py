@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +12,12 @@ from ..core import SplitModule, split_backward
 from ..functional.activations import activation_backward, activation_forward, check_activation, is_gated
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.tp_config import shard_size, tensor_parallel_config
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._tp_linear import SP_WGRAD_INPUTS
+from ._tp_mlp import TPMLPFunction
+from ._tp_norm import norm_autograd
+from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
 __all__ = ["LayerNormMLP"]
 
@@ -103,6 +110,13 @@ class LayerNormMLP(SplitModule):
             ``"geglu"`` (``gelu_tanh(a) * b``); the gated ones make fc1 produce ``2 * ffn_hidden_size``
             features split in halves ``[a, b]``.
         zero_centered_gamma: the norm's scale is ``1 + layer_norm_weight`` (initialised to zeros).
+        tp_group, tp_size, sequence_parallel, init_method, sp_wgrad_input: as :class:`~splitgrad.Linear`, with
+            fc1 column-parallel and fc2 row-parallel (implied, as TE): ``fc1_weight (F1/tp, hidden)`` holds
+            this rank's rows of both gated halves, ``fc2_weight (hidden, ffn/tp)``; the norm runs on the
+            local activation (``sequence_parallel = True`` on its parameters and on ``fc2_bias`` under
+            sequence parallelism). ``init_method`` initialises each local fc weight.
+        return_bias: return ``(output, fc2_bias)`` without adding fc2's bias (its gradient then flows through
+            autograd).
         delay_wgrad_compute: park the fcs' weight gradients for :meth:`backward_dw`.
         fuse_wgrad_accumulation: add the fcs' weight gradients into their ``main_grad``.
         params_dtype: parameter dtype (default: torch's default dtype).
@@ -121,10 +135,16 @@ class LayerNormMLP(SplitModule):
         normalization: str = "LayerNorm",
         activation: str = "gelu",
         zero_centered_gamma: bool = False,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        tp_size: int | None = None,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sp_wgrad_input: str = "keep",
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or ffn_hidden_size <= 0:
@@ -139,15 +159,31 @@ class LayerNormMLP(SplitModule):
         self.normalization = normalization
         self.activation = activation
         self.zero_centered_gamma = bool(zero_centered_gamma)
+        if sp_wgrad_input not in SP_WGRAD_INPUTS:
+            raise ValueError(
+                f"LayerNormMLP: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
+            )
+        owner = f"LayerNormMLP({hidden_size}, {ffn_hidden_size})"
+        # fc1 column / fc2 row is implied; the config records "column" for the module's input side.
+        self.tp = tensor_parallel_config(
+            tp_group=tp_group, tp_size=tp_size, parallel_mode="column" if tp_group is not None else None,
+            sequence_parallel=sequence_parallel, owner=owner,
+        )  # fmt: skip
+        self.return_bias = bool(return_bias)
+        self.sp_wgrad_input = sp_wgrad_input
+        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
+        self.tp_comm_overlap = True
+        self._init_method = init_method
+        ffn_local = shard_size(ffn_hidden_size, self.tp, owner=owner, name="ffn_hidden_size")
         factory = {"dtype": params_dtype, "device": device}
-        fc1_out = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
+        fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
         if normalization == "LayerNorm":
             self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **factory))
         else:
             self.register_parameter("layer_norm_bias", None)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_local, **factory))
         if bias:
             self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory))
             self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory))
@@ -155,6 +191,9 @@ class LayerNormMLP(SplitModule):
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
         self.reset_parameters()
+        mark_tp_params(self.tp, self.fc1_weight, self.fc1_bias, "column")
+        mark_tp_params(self.tp, self.fc2_weight, self.fc2_bias, "row")
+        mark_sequence_parallel(self.tp, self.layer_norm_weight, self.layer_norm_bias)
         self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
@@ -162,19 +201,37 @@ class LayerNormMLP(SplitModule):
     def reset_parameters(self) -> None:
         """Identity norm; each fc initialised like a ``torch.nn.Linear`` of the same shape."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
-        linear_init_(self.fc1_weight, self.fc1_bias)
-        linear_init_(self.fc2_weight, self.fc2_bias)
+        if self._init_method is None and not self.tp.splits:
+            linear_init_(self.fc1_weight, self.fc1_bias)
+            linear_init_(self.fc2_weight, self.fc2_bias)
+            return
+        fc2_mode = "row" if self.tp.splits else None
+        init_tp_linear_("column", self.fc1_weight, self.fc1_bias, self.hidden_size, self._init_method)
+        init_tp_linear_(fc2_mode, self.fc2_weight, self.fc2_bias, self.ffn_hidden_size, self._init_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (..., hidden_size)`` -> ``(..., hidden_size)``."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """``x: (..., hidden_size)`` -> ``(..., hidden_size)`` (``(s/tp, b, hidden)`` in and out under
+        sequence parallelism); ``(output, fc2_bias)`` with ``return_bias=True``."""
         self._check_last_dim(x, self.hidden_size, "hidden_size")
-        return self.apply_function(
-            _LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
-            self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self,
-        )  # fmt: skip
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        if self.tp.splits:
+            ln_out = norm_autograd(
+                x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
+                eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+            )  # fmt: skip
+            y = self.apply_function(
+                TPMLPFunction, ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self
+            )
+        else:
+            y = self.apply_function(
+                _LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
+                self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self,
+            )  # fmt: skip
+        return (y, self.fc2_bias) if self.return_bias else y
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        params = [self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias]
+        fc2_bias = None if self.return_bias else self.fc2_bias  # with return_bias autograd accumulates it
+        params = [self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias]
         return [p for p in params if p is not None]
 
     def _write_wgrad(
@@ -215,7 +272,10 @@ class LayerNormMLP(SplitModule):
             )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"bias={self.fc1_bias is not None}, normalization={self.normalization}, activation={self.activation}"
         )
+        if self.tp.splits:
+            text += f", tp_size={self.tp.size}, sequence_parallel={self.tp.sequence_parallel}"
+        return text

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
+from ..functional.tp_config import TensorParallelConfig, shard_size, tensor_parallel_config
 from ._linear_wgrad import hand_over_linear_wgrad
+from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
+from ._tp_params import init_tp_linear_, mark_tp_params
 
 __all__ = ["Linear"]
 
@@ -47,9 +52,26 @@ class Linear(SplitModule):
     """Drop-in ``torch.nn.Linear`` (same parameters, init and state_dict) with a splittable backward.
 
     Args:
-        in_features: size of the last input dimension.
-        out_features: size of the last output dimension.
+        in_features: size of the last input dimension (of the whole layer, as in TE).
+        out_features: size of the last output dimension (of the whole layer).
         bias: learn an additive bias.
+        tp_group: tensor-parallel process group (None: one rank, today's layer bit for bit).
+        tp_size: expected size of ``tp_group`` (checked); without a group only 1.
+        parallel_mode: ``"column"`` (weight ``(out/tp, in)``, output sharded on the last dim), ``"row"``
+            (weight ``(out, in/tp)``, input sharded on the last dim, output all-reduced, replicated bias added
+            after the reduction) or None (not split).
+        sequence_parallel: activations outside the layer are sharded on dim 0 (sequence-first ``(s, b, h)``):
+            column all-gathers its input in forward and reduce-scatters the input gradient; row
+            reduce-scatters its output. The row bias then carries ``sequence_parallel = True`` (its gradient
+            is partial; Megatron all-reduces such parameters over the TP group).
+        return_bias: return ``(output, bias)`` without adding the bias (TE's fusion hook); the bias gradient
+            then flows through autograd.
+        init_method: ``init_method(weight)`` initialises this rank's **local** weight shard (as TE); the bias
+            is then zeroed. Default: ``torch.nn.Linear``'s initialisation (with the whole layer's fan-in);
+            a replicated row-parallel bias starts at zero so that all TP ranks agree.
+        sp_wgrad_input: deferred W under column sequence parallelism keeps the gathered input until W
+            (``"keep"``) or only the local shard, all-gathering it again in ``backward_dw`` (``"regather"``,
+            a collective: every TP rank must run its W work in the same order). See docs/tensor_parallel.md.
         delay_wgrad_compute: backward computes only the input gradient; the weight/bias gradient is parked as a
             task and computed by :meth:`backward_dw` (or by a :func:`splitgrad.capture_wgrad` bundle).
         fuse_wgrad_accumulation: add the weight gradient straight into ``weight.main_grad`` (the fp32 buffer of
@@ -67,37 +89,92 @@ class Linear(SplitModule):
         out_features: int,
         bias: bool = True,
         *,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        tp_size: int | None = None,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        return_bias: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        sp_wgrad_input: str = "keep",
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear needs positive sizes, got {in_features=} {out_features=}")
+        if sp_wgrad_input not in SP_WGRAD_INPUTS:
+            raise ValueError(
+                f"Linear: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
+            )
         self.in_features = in_features
         self.out_features = out_features
+        self.tp = tensor_parallel_config(
+            tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel, owner=f"Linear({in_features}, {out_features})",
+        )  # fmt: skip
+        self.return_bias = bool(return_bias)
+        self.sp_wgrad_input = sp_wgrad_input
+        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
+        self.tp_comm_overlap = True
+        self._init_method = init_method
+        out_local, in_local = _local_shape(self.tp, in_features, out_features)
         factory = {"dtype": params_dtype, "device": device}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
+        bias_size = out_local if self.tp.parallel_mode == "column" else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
         self.reset_parameters()
+        mark_tp_params(self.tp, self.weight, self.bias)
         self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
         )
 
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation, so seeded models match it exactly."""
-        linear_init_(self.weight, self.bias)
+        """``torch.nn.Linear``'s initialisation (or ``init_method``), so seeded models match it exactly."""
+        if self._init_method is None and not self.tp.splits:
+            linear_init_(self.weight, self.bias)
+        else:
+            init_tp_linear_(
+                self.tp.parallel_mode if self.tp.splits else None,
+                self.weight,
+                self.bias,
+                self.in_features,
+                self._init_method,
+            )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x: (..., in_features)`` -> ``(..., out_features)``."""
-        self._check_last_dim(x, self.in_features, "in_features")
-        return self.apply_function(_LinearFunction, x, self.weight, self.bias, self)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """``x: (..., in_features)`` -> ``(..., out_features)``; sharded shapes: docs/tensor_parallel.md.
+
+        Returns ``(output, bias)`` with ``return_bias=True``.
+        """
+        bias = None if self.return_bias else self.bias
+        if self.tp.splits:
+            self._check_last_dim(x, self.weight.shape[1], "in_features // tp_size (local)")
+            y = self.apply_function(TPLinearFunction, x, self.weight, bias, self)
+        else:
+            self._check_last_dim(x, self.in_features, "in_features")
+            y = self.apply_function(_LinearFunction, x, self.weight, bias, self)
+        return (y, self.bias) if self.return_bias else y
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
+        # With return_bias the bias gradient flows through autograd (the caller adds the bias).
+        return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+        if self.tp.splits:
+            text += f", parallel_mode={self.tp.parallel_mode!r}, tp_size={self.tp.size}"
+            text += f", sequence_parallel={self.tp.sequence_parallel}"
+        return text
+
+
+def _local_shape(cfg: TensorParallelConfig, in_features: int, out_features: int) -> tuple[int, int]:
+    owner = f"Linear({in_features}, {out_features})"
+    if cfg.splits and cfg.parallel_mode == "column":
+        return shard_size(out_features, cfg, owner=owner, name="out_features"), in_features
+    if cfg.splits and cfg.parallel_mode == "row":
+        return out_features, shard_size(in_features, cfg, owner=owner, name="in_features")
+    return out_features, in_features

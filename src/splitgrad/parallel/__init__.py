@@ -10,5 +10,14 @@ from __future__ import annotations
 from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
+from .tensor import TensorParallelConfig, TensorParallelGroups, tensor_parallel_groups
 
-__all__ = ["Bucket", "DDPConfig", "DistributedDataParallel", "GradBuffer"]
+__all__ = [
+    "Bucket",
+    "DDPConfig",
+    "DistributedDataParallel",
+    "GradBuffer",
+    "TensorParallelConfig",
+    "TensorParallelGroups",
+    "tensor_parallel_groups",
+]

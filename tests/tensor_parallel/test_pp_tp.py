@@ -1,0 +1,34 @@
+"""pp=2 x tp=2 (4 gloo ranks): the pipeline runtime runs a tensor-parallel GPT with deferred wgrad; and
+tp=2 x dp=2: splitgrad's DistributedDataParallel over the TP shards' outer group.
+
+Why: the TP layers communicate inside forward, backward and W; the pipeline moves activations between stages
+on another group and runs W at its own time. Every TP pair must issue the same collectives in the same order
+and every gradient shard must match the float64 tp=1 single-process reference (tolerance only: the sharded
+GEMMs and the all-reduces sum in a different order).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from splitgrad.testing import spawn
+from tests.tensor_parallel.pp_tp_worker import pp_tp_worker
+
+pytestmark = pytest.mark.distributed
+
+SCHEDULES = ["1f1b", "zb-h1"]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return spawn(pp_tp_worker, 4, SCHEDULES, timeout=400, pg_timeout=120)
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "tp2xdp2 ddp"])
+def test_pp2_tp2_matches_tp1(results, schedule):
+    for rank, res in enumerate(results):
+        r = res[schedule]
+        assert r["checked"] > 0 and not r["bad"], f"rank {rank} {schedule}: gradients differ for {r['bad']}"
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-10, f"rank {rank} {schedule}: {r}"
+    if schedule == "zb-h1":  # W actions ran deferred work on every rank
+        assert all(res[schedule]["w_tasks"] > 0 for res in results), [r[schedule]["w_tasks"] for r in results]

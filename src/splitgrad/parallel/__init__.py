@@ -10,5 +10,13 @@ from __future__ import annotations
 from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
+from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
 
-__all__ = ["Bucket", "DDPConfig", "DistributedDataParallel", "GradBuffer"]
+__all__ = [
+    "Bucket",
+    "DDPConfig",
+    "DistributedDataParallel",
+    "FSDPReductionHandle",
+    "GradBuffer",
+    "defer_fsdp_reduction",
+]

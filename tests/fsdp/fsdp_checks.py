@@ -213,7 +213,36 @@ def _expect(exc_type: type, text: str, fn: Callable[[], object]) -> None:
         raise AssertionError(f"expected {exc_type.__name__} with {text!r}")
 
 
+def meta_model(delay: bool) -> nn.Sequential:
+    """FSDP2's deferred initialisation: build on meta, shard, materialise, initialise the shards."""
+    with torch.device("meta"):
+        model = build(delay)
+    shard_model(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model
+
+
+def check_meta_device_init(rank: int, world: int) -> None:
+    """Meta construction then to_empty + reset_parameters: initialised shards, delayed == immediate bitwise."""
+    models = {delay: meta_model(delay) for delay in (False, True)}
+    for name, p in models[True].named_parameters():
+        full_p = p.full_tensor()
+        if not torch.isfinite(full_p).all() or (name.endswith("weight") and full_p.abs().sum() == 0):
+            raise AssertionError(f"{name} not initialised")
+    defer_fsdp_reduction(models[True])
+    for delay, model in models.items():
+        loss_of(model(data(rank, 0))).backward()
+        if delay:
+            splitgrad.backward_dw(model)
+    assert_grads(sharded_grads(models[True]), sharded_grads(models[False]), "meta init", bitwise=True)
+
+
 WORLD2 = [
+    check_meta_device_init,
     check_exact_one_microbatch,
     check_wrong_answer_rejected,
     check_accumulation_and_reshard,

@@ -7,6 +7,7 @@ rank's exception or hung on a stuck rank would turn real failures into green or 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -49,7 +50,8 @@ def test_failure_names_rank_and_kills_stuck_ranks(tmp_path):
     assert err.failures[0].exc_type == "builtins.ValueError"
     assert "rank 1 failed first with builtins.ValueError: boom from rank 1 of 3" in str(err)
     assert "fail_hang_or_return" in err.failures[0].traceback
-    assert "[2]" in str(err)  # the stuck rank is named as killed
+    # The stuck rank is named as killed (rank 0, which returns at once, may also miss the 1 s grace under load).
+    assert re.search(r"rank\(s\) \[(0, )?2\] still running were killed", str(err)), str(err)
     assert elapsed < 60, f"harness waited {elapsed:.0f} s instead of killing the stuck rank"
     pid = int((tmp_path / "rank2.pid").read_text())
     assert not _alive(pid), "the hanging rank survived"

@@ -60,23 +60,24 @@ def _check_invariants(schedule, result, f, b, w, comm):
     end = {}
     for r, acts in enumerate(schedule.rank_actions):
         for a, hi in zip(acts, result.ends[r]):
-            end[(a.stage, a.kind, a.microbatch)] = hi
+            for s, k, i in a.parts:
+                end[(s, k, i)] = hi
     for r, acts in enumerate(schedule.rank_actions):
         prev_end = 0.0
         for a, lo, hi in zip(acts, result.starts[r], result.ends[r]):
-            s, k, i = a
-            cost = {F: f[s], B: b[s], W: w[s], BW: b[s] + w[s]}[k]
+            cost, deps = 0.0, []
+            for s, k, i in a.parts:  # an overlapped pair costs its parts' sum (overlap=0) and waits for both
+                cost += {F: f[s], B: b[s], W: w[s], BW: b[s] + w[s]}[k]
+                if k is F and s > 0:
+                    deps.append((end[(s - 1, F, i)], schedule.rank_of(s - 1) != r))
+                if k in (B, BW):
+                    deps.append((end[(s, F, i)], False))
+                    if s < n - 1:
+                        g = end.get((s + 1, B, i), end.get((s + 1, BW, i)))
+                        deps.append((g, schedule.rank_of(s + 1) != r))
+                if k is W:
+                    deps.append((end[(s, B, i)], False))
             assert hi - lo == pytest.approx(cost)
-            deps = []
-            if k is F and s > 0:
-                deps.append((end[(s - 1, F, i)], schedule.rank_of(s - 1) != r))
-            if k in (B, BW):
-                deps.append((end[(s, F, i)], False))
-                if s < n - 1:
-                    g = end.get((s + 1, B, i), end.get((s + 1, BW, i)))
-                    deps.append((g, schedule.rank_of(s + 1) != r))
-            if k is W:
-                deps.append((end[(s, B, i)], False))
             ready = max([prev_end] + [d + (comm if cross else 0.0) for d, cross in deps])
             assert lo == pytest.approx(ready, abs=1e-9)  # as soon as possible, never earlier
             prev_end = hi

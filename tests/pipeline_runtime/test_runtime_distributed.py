@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from splitgrad.pipeline import build_schedule, channel_order_problems
 from splitgrad.testing.spawn import spawn
@@ -51,6 +52,52 @@ def test_every_schedule_two_ranks(two_rank_results, name):
     results, _ = two_rank_results
     for rank, res in enumerate(results):
         _assert_check(f"{name} rank {rank}", res[name], split=name in workers.SPLIT)
+
+
+def test_every_family_bitwise_equal_to_1f1b(two_rank_results):
+    """Same blocks, same microbatches: every family, dualpipev's overlapped F+B pairs (through the stages'
+    ``overlapped_forward_backward`` hook and run in order) gives 1f1b's gradients bit for bit, and both match
+    the float64 plain-autograd reference."""
+    results, _ = two_rank_results
+    runs: dict[str, dict] = {}
+    for res in results:
+        for label, run in res["bitwise"].items():
+            merged = runs.setdefault(label, {"grads": {}, "loss": run["loss"], "calls": 0, "fb": 0})
+            merged["grads"].update(run["grads"])
+            merged["calls"] += run.get("overlap_calls", 0)
+            merged["fb"] += run.get("overlapped_actions", 0)
+    reference = runs.pop("reference")
+    base = runs["1f1b"]
+    assert len(base["grads"]) == len(reference["grads"]) == 8
+    for name, want in reference["grads"].items():
+        torch.testing.assert_close(base["grads"][name], want, rtol=1e-12, atol=1e-14)
+    for label, run in runs.items():
+        assert run["grads"].keys() == base["grads"].keys(), label
+        for name, grad in run["grads"].items():
+            assert torch.equal(grad, base["grads"][name]), f"{label}: {name} differs from 1f1b"
+        assert run["loss"] == base["loss"], label
+    assert runs["dualpipev"]["fb"] > 0 and runs["dualpipev"]["calls"] == 0
+    assert runs["dualpipev hook"]["calls"] == runs["dualpipev hook"]["fb"] > 0
+    assert runs["dualpipev no-overlap"]["fb"] == 0
+    # Not trivially passing: a gradient off by one ulp is told apart.
+    name, grad = next(iter(base["grads"].items()))
+    assert not torch.equal(torch.nextafter(grad, grad + 1), grad)
+
+
+def test_profile_guided_zb_auto(two_rank_results):
+    """build_runtime(..., "auto"): both ranks profile, agree on one plan from the gathered costs, and the planned
+    steps give the profiling step's gradients bit for bit."""
+    results, _ = two_rank_results
+    runs = [res["auto"] for res in results]
+    for rank, run in enumerate(runs):
+        assert (run["before"], run["after"]) == ("1f1b", "zb-auto"), rank
+        assert run["bitwise"] and run["losses"][0] == run["losses"][1], rank
+        assert all(c > 0 for c in run["costs"]) and all(n > 0 for n in run["bytes"]), rank
+        assert 0 < run["w_memory"] <= 1 and run["limits"] == (4.0, 4.0)
+        assert run["peak_memory"] <= 4.0 + 1e-9
+    assert runs[0]["same_plan"] == runs[1]["same_plan"], "ranks planned different schedules"
+    assert runs[0]["costs"] == runs[1]["costs"]
+    assert "planned" in runs[0]["report"] and runs[1]["report"] is None
 
 
 def test_split_backward_moe_and_mlp_stack(two_rank_results):
@@ -120,3 +167,23 @@ def test_pipeline_x_data_parallel(four_rank_results, name):
         _assert_check(f"pp2 x dp2 {name} rank {rank}", out, split=name in workers.SPLIT)
         # Buckets complete inside the step (at their last W or B), not only in finish_grad_sync().
         assert sum(out["launched_early"]) > 0, f"{name} rank {rank}: no bucket reduction overlapped the step"
+
+
+def test_schedule_must_fit_the_pipeline_group(two_rank_results):
+    # Issue 11 item 9: a one-rank schedule under a 2-rank group used to run the whole model on both ranks.
+    results, _ = two_rank_results
+    for rank, res in enumerate(results):
+        out = res["group size"]
+        errors = out["errors"]
+        for label in (
+            "build 1-rank schedule, 2-rank default group",
+            "PipelineRuntime 1-rank schedule, 2-rank default group",
+        ):
+            msg = errors[label]
+            assert msg is not None and msg.startswith("ValueError"), f"rank {rank}, {label}: built ({msg})"
+            assert "n_ranks=1" in msg and "default process group has 2 ranks" in msg, msg
+            assert "'1f1b'" in msg or "'gpipe'" in msg, msg
+        msg = errors["build 2-rank schedule, wrong rank"]
+        assert msg is not None and f"rank={1 - rank} but this process is rank {rank}" in msg, msg
+        # The same one-rank schedule on a one-rank group of its own is accepted and exact.
+        _assert_check(f"one-rank pipeline group, rank {rank}", out, split=False)

@@ -27,6 +27,7 @@ from splitgrad.models import (
     set_aux_loss_scale,
     split_into_stages,
 )
+from splitgrad.pipeline import build_schedule
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
 from splitgrad.pipeline.comm import PipelineComm
 from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
@@ -181,6 +182,9 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["timeline"] = timeline_check(rank, world, out_dir)
     results["negative"] = negative_check(world)
     results["posting"] = posting_order_check(world)
+    results["bitwise"] = bitwise_family_check(world)
+    results["auto"] = auto_check(world)
+    results["group size"] = group_size_check(rank, world)
     return results
 
 
@@ -201,6 +205,48 @@ def four_rank_worker(rank: int, world: int) -> dict:
             dp_size=2,
         )
     return results
+
+
+def group_size_check(rank: int, world: int) -> dict:
+    """Schedules whose rank count differs from the pipeline group's are refused at build time, by name.
+
+    Returns the error messages (None where building succeeded) and, as the positive case, the loss and
+    gradients of a one-rank schedule run on a one-rank group of its own next to the reference.
+    """
+    blocks = mlp_blocks(delay=True)
+    one, two = sequential_stages(blocks, 1), sequential_stages(blocks, 2, sizes=[4, 3])
+    errors = {
+        "build 1-rank schedule, 2-rank default group": _build_error(
+            lambda: build_runtime(one, "1f1b", n_microbatches=2, loss_fn=F.mse_loss)
+        ),
+        "PipelineRuntime 1-rank schedule, 2-rank default group": _build_error(
+            lambda: PipelineRuntime(one, build_schedule("gpipe", 1, 2), loss_fn=F.mse_loss)
+        ),
+        "build 2-rank schedule, wrong rank": _build_error(
+            lambda: build_runtime(two, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, rank=1 - rank)
+        ),
+    }
+    # Every rank creates every group (new_group is collective); each runs its own one-rank pipeline.
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    rt = build_runtime(one, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, pp_group=solo)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    result = rt.step(x, y)
+    reference = nn.Sequential(*mlp_blocks(delay=False))
+    loss = torch.stack([F.mse_loss(reference(a), b) for a, b in zip(x.split(2), y.split(2))]).mean()
+    loss.backward()
+    out = compare(nn.Sequential(*blocks), rt, {n: p.grad for n, p in reference.named_parameters()})
+    out.update(errors=errors, loss=result.loss.item(), ref_loss=loss.item(), w_tasks=result.w_tasks)
+    return out
+
+
+def _build_error(build) -> str | None:
+    try:
+        build()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def mlp_blocks(*, delay: bool) -> list[nn.Module]:
@@ -234,6 +280,98 @@ def mlp_check(rank: int, world: int) -> dict:
     out = compare(nn.Sequential(*blocks), rt, ref)
     out.update(loss=result.loss.item(), ref_loss=loss.item(), w_tasks=result.w_tasks)
     return out
+
+
+class OverlapRecordingStage(nn.Sequential):
+    """A stage that takes overlapped F+B pairs itself (backward part first: the order is its choice)."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__(*blocks)
+        self.overlap_calls = 0
+
+    def overlapped_forward_backward(self, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        torch.autograd.backward(y, dy)
+        self.overlap_calls += 1
+        return self(x)
+
+
+def bitwise_family_check(world: int) -> dict:
+    """Every family (and dualpipev's overlapped pairs, through a stage hook and in order) on the MLP stack:
+    per-parameter gradients and the loss, to be compared bitwise with 1f1b's by the test process."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(16, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    runs = [(name, per_rank, {}, False) for name, per_rank in SCHEDULES]
+    runs += [("dualpipev", 2, {"overlap": False}, False), ("dualpipev", 2, {}, True)]
+    out: dict[str, dict] = {}
+    for name, per_rank, options, hook in runs:
+        blocks = mlp_blocks(delay=True)
+        n_stages = per_rank * world
+        sizes = [2, 2, 2, 1] if n_stages == 4 else [4, 3]
+        stages = sequential_stages(blocks, n_stages, sizes=sizes)
+        if hook:
+            stages = [OverlapRecordingStage(*stage) for stage in stages]
+        names = {id(p): n for n, p in nn.Sequential(*blocks).named_parameters()}
+        rt = build_runtime(
+            stages, name, n_microbatches=4, loss_fn=F.mse_loss, timeout=60, schedule_options=options or None
+        )
+        result = rt.step(x, y)
+        label = name + (" no-overlap" if options else "") + (" hook" if hook else "")
+        out[label] = {
+            "grads": {names[id(p)]: p.grad.clone() for p in rt.parameters()},
+            "loss": result.loss.item(),
+            "overlap_calls": sum(getattr(m, "overlap_calls", 0) for m in rt.stages.values()),
+            "overlapped_actions": sum(a.kind.value == "FB" for a in rt.actions),
+        }
+    reference = nn.Sequential(*mlp_blocks(delay=False))
+    loss = torch.stack([F.mse_loss(reference(a), b) for a, b in zip(x.split(4), y.split(4))]).mean()
+    loss.backward()
+    out["reference"] = {"grads": {n: p.grad for n, p in reference.named_parameters()}, "loss": loss.item()}
+    return out
+
+
+def auto_check(world: int) -> dict:
+    """Profile-guided zb-auto on the MLP stack: profile step (1F1B split), plan, then two planned steps."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(16, 12, generator=gen, dtype=torch.float64)
+    y = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    blocks = mlp_blocks(delay=True)
+    stages = sequential_stages(blocks, world, sizes=[4, 3])
+    rt = build_runtime(
+        stages,
+        "auto",
+        n_microbatches=4,
+        loss_fn=F.mse_loss,
+        timeout=60,
+        schedule_options={"memory_budget": 2.0},
+    )
+    before = rt.schedule.name
+    first = rt.step(x, y)
+    profiled = [p.grad.clone() for p in rt.parameters()]
+    plan = rt.planner.plan
+    rt.zero_grad()
+    second = rt.step(x, y)
+    report = rt.timeline_report(second)
+    return {
+        "before": before,
+        "after": rt.schedule.name,
+        "same_plan": rt.schedule.to_text(),
+        "losses": (first.loss.item(), second.loss.item()),
+        "bitwise": all(torch.equal(a, p.grad) for a, p in zip(profiled, rt.parameters())),
+        "costs": plan.f + plan.b + plan.w,
+        "bytes": plan.activation_bytes + plan.wgrad_bytes,
+        "w_memory": plan.w_memory,
+        "limits": plan.memory_limit,
+        "predicted": plan.predicted_bubble,
+        "peak_memory": simulate_plan_memory(plan),
+        "report": report,
+    }
+
+
+def simulate_plan_memory(plan) -> float:
+    from splitgrad.pipeline import simulate
+
+    return max(simulate(plan.schedule, w_memory=plan.w_memory).peak_memory)
 
 
 def reshape_check(world: int) -> dict:

@@ -38,6 +38,8 @@ def stages_per_rank(schedule: str) -> int:
     """
     from ..pipeline import build_schedule
 
+    if schedule == "auto":  # profile-guided zb-auto (planned at run time): one stage per rank
+        return 1
     probe = build_schedule(schedule, 2, 2)
     return probe.n_stages // probe.n_ranks
 
@@ -53,7 +55,7 @@ def stages_for(schedule: str, ranks: int, microbatches: int) -> int:
 
     n_stages = ranks * stages_per_rank(schedule)
     try:
-        build_schedule(schedule, n_stages, microbatches)
+        build_schedule("zb-auto" if schedule == "auto" else schedule, n_stages, microbatches)
     except ValueError as exc:
         raise ValueError(
             f"schedule {schedule} on {ranks} rank(s) ({n_stages} stages) with {microbatches} microbatches: {exc}"

@@ -81,6 +81,8 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
     gathered = [torch.empty_like(mine) for _ in range(cfg.ranks)]
     dist.all_gather(gathered, mine)
     per_rank = [{"activation_mib": float(t[0]), "max_rss_mib": float(t[1])} for t in gathered]
+    # Release the process groups now, not whenever the runtime is collected: the caller destroys them next.
+    runtime.close()
     # Steady state: skip the first steps (allocator warm-up, first-touch of buffers).
     steady = durations[min(3, len(durations) - 1) :]
     return {

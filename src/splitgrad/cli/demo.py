@@ -120,7 +120,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--schedules",
         type=schedule_list,
         default=",".join(defaults.schedules),  # a string default goes through type= too
-        help="comma-separated schedule names, trained one after the other",
+        help="comma-separated schedule names, trained one after the other; 'auto' profiles the first "
+        "steps and plans zb-auto from the measured costs",
     )
     for name, kind, help_text in (
         (

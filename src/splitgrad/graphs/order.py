@@ -9,6 +9,7 @@ in the order the runtime will replay them. The order uses the pipeline vocabular
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -29,7 +30,21 @@ class GraphAction(NamedTuple):
 
 
 def _parse(item: object) -> list[GraphAction]:
-    """One order entry (string or any ``(stage, kind, microbatch)`` object) -> one or two actions."""
+    """One order entry (string or any ``(stage, kind, microbatch)`` object) -> its capture steps.
+
+    A pipeline schedule's overlapped pair (``"0F3+3BW1"``, an object with two ``parts``) captures both parts,
+    forward first; its gradient-sync points (``"0R"``, ``"0RF"``, kind ``R``/``RF``) capture nothing.
+    """
+    parts = getattr(item, "parts", None)
+    if isinstance(item, str) and "+" in item:
+        parts = item.split("+")
+    if parts is not None and len(parts) > 1:
+        return [step for part in parts for step in _parse(part)]
+    if isinstance(item, str):
+        if re.fullmatch(r"\d+RF?", item.strip()):
+            return []
+    elif str(getattr(getattr(item, "kind", None), "value", getattr(item, "kind", None))) in ("R", "RF"):
+        return []
     if isinstance(item, str):
         text = item.strip()
         kind = next((k for k in ("BW", "F", "B", "W") if k in text), None)

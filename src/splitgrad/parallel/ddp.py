@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
-from functools import partial
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ class DistributedDataParallel(nn.Module):
         timeout: float | None = None,
     ) -> None:
         super().__init__()
+        self._closed = False
         self.config = DDPConfig(
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap_grad_reduce,
@@ -93,7 +94,9 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs torch.distributed initialised (init_process_group)"
             )
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        # The default group is looked up at each use, never stored: a reference held past
+        # destroy_process_group() keeps the group alive until interpreter exit, where gloo may abort.
+        self._group = process_group
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")
@@ -140,10 +143,14 @@ class DistributedDataParallel(nn.Module):
         self.last_launch_order: list[int] = []
         self.last_launched_early = 0
 
-        self._handles = []
+        # The hooks live on the parameters and stores, which the wrapper reaches through self.module: a hook
+        # holding the wrapper strongly makes a cycle through C++ (the parameters' hook tables) that Python's
+        # gc cannot see, so the wrapper, and with it the process group, would never be freed. The group then
+        # outlives destroy_process_group() and gloo aborts the process at exit. Hooks hold a weak reference.
+        self._handles: list[Any] = []
         for i, p in enumerate(self._params):
             p.grad_added_to_main_grad = False
-            self._handles.append(p.register_post_accumulate_grad_hook(partial(self._on_autograd_grad, i)))
+            self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self._on_autograd_grad, i)))
         # One hook per store: a composite op exposes its inner op's store (and hooks) as its own, and
         # registering on both would count every contribution twice.
         owners: dict[int, tuple[nn.Module, list[int]]] = {}
@@ -155,13 +162,24 @@ class DistributedDataParallel(nn.Module):
                     owned.append(idx)
         for owner, owned in owners.values():
             if owned:
-                hook = partial(self._on_wgrad, tuple(owned))
+                hook = _weak_hook(self._on_wgrad, tuple(owned))
                 self._handles.append(owner.register_wgrad_accumulation_and_reduce_hooks(hook))
+        # A wrapper dropped without close() detaches like remove_hooks(): its hooks could only call a dead
+        # wrapper, and a stale main_grad would pin the buffer and refuse the next wrapper.
+        self._finalizer = weakref.finalize(self, _detach, self._handles, self._params)
+        self._finalizer.atexit = False
         if self.config.broadcast_at_init:
             self.broadcast_params()
         logger.debug("%s", self)
 
     # -- public API ---------------------------------------------------------------------------------------
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group (the default group, looked up now, when none was given); None once closed."""
+        if self._closed:
+            return None
+        return self._group if self._group is not None else dist.group.WORLD
+
     @property
     def buckets(self) -> tuple[Bucket, ...]:
         """The buckets, in the order their collectives are issued."""
@@ -173,6 +191,7 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
+        self._check_open("forward")
         if self._next_bucket and torch.is_grad_enabled():
             raise RuntimeError(
                 "DistributedDataParallel.forward: gradients of the previous backward are already being reduced "
@@ -212,6 +231,7 @@ class DistributedDataParallel(nn.Module):
                 received no gradient this step (unless ``allow_unused_parameters``); when a collective fails
                 or times out.
         """
+        self._check_open("finish_grad_sync()")
         if not self._sync:
             raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside no_sync()")
         ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.finish_grad_sync()")
@@ -235,6 +255,7 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad``, drop ``.grad``, and start a new step (waits for in-flight reductions)."""
+        self._check_open("zero_grad_buffer()")
         ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.zero_grad_buffer()")
         with self._lock, torch.no_grad():
             for bucket in self._buckets:
@@ -256,6 +277,7 @@ class DistributedDataParallel(nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy parameters and buffers of the group's rank 0 to every rank."""
+        self._check_open("broadcast_params()")
         src = dist.get_global_rank(self.process_group, 0)
         tensors = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
         works = [dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors]
@@ -275,13 +297,61 @@ class DistributedDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the module: remove every hook and the ``main_grad`` attributes."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for p in self._params:
-            for attr in ("main_grad", "grad_added_to_main_grad"):
-                if hasattr(p, attr):
-                    delattr(p, attr)
+        _detach(self._handles, self._params)
+        # Nothing left to clean up when the wrapper dies; running later, the finalizer would strip the
+        # main_grad of a wrapper built on these parameters since.
+        self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release the process group: wait for reductions in flight, detach from the module, drop the group.
+
+        Call it (or use the wrapper as a context manager) before ``dist.destroy_process_group()`` to release
+        every handle on the group deterministically; a wrapper that is simply dropped releases them too, when
+        it is garbage-collected. Idempotent. Afterwards the wrapper refuses to run; the module keeps its
+        parameters and whatever ``.grad`` the last :meth:`finish_grad_sync` exposed.
+
+        Raises:
+            RuntimeError: a reduction still in flight failed or timed out (everything is released anyway).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        first_error: RuntimeError | None = None
+        with self._lock:
+            in_flight = [b.index for b in self._buckets if b.in_flight]
+            if in_flight:
+                logger.warning(
+                    "rank %d: DistributedDataParallel.close() with bucket(s) %s still reducing "
+                    "(finish_grad_sync() was not called): waiting for them; their averages stay in the "
+                    "gradient buffers, not in .grad",
+                    self.rank,
+                    in_flight,
+                )
+            for bucket in self._buckets:
+                if bucket.in_flight:
+                    try:
+                        bucket.wait(self.config.wait_timeout, rank=self.rank)
+                    except RuntimeError as exc:
+                        first_error = first_error or exc
+            self.remove_hooks()
+            self._group = None
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"DistributedDataParallel.{what}: the wrapper was closed (close())")
 
     # -- readiness ----------------------------------------------------------------------------------------
     def _on_autograd_grad(self, idx: int, param: torch.Tensor) -> None:
@@ -406,3 +476,26 @@ class DistributedDataParallel(nn.Module):
             f"world_size={self.world_size}, params={len(self._params)}, buckets={len(self._buckets)}, "
             f"overlap_grad_reduce={self.config.overlap_grad_reduce}, reduce_scatter={self.config.reduce_scatter}"
         )
+
+
+def _weak_hook(method: Callable[..., None], *bound: Any) -> Callable[..., None]:
+    """``method(*bound, *args)`` through a weak reference to ``method``'s object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            target(*bound, *args)
+
+    return hook
+
+
+def _detach(handles: list[Any], params: list[nn.Parameter]) -> None:
+    """Remove the hooks (emptying ``handles`` in place) and the attributes the wrapper set on ``params``."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    for p in params:
+        for attr in ("main_grad", "grad_added_to_main_grad"):
+            if hasattr(p, attr):
+                delattr(p, attr)

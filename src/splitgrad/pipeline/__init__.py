@@ -15,7 +15,19 @@ Typical use::
 
 from __future__ import annotations
 
-from .actions import Action, ActionKind, Schedule, ScheduleError, Transfer, parse_action
+from .actions import (
+    COMPUTE_KINDS,
+    SYNC_KINDS,
+    Action,
+    ActionKind,
+    AnyAction,
+    OverlapAction,
+    Schedule,
+    ScheduleError,
+    Transfer,
+    parse_action,
+)
+from .passes import add_grad_sync, has_grad_sync, strip_grad_sync
 from .schedules import (
     SCHEDULES,
     AutoCandidate,
@@ -38,15 +50,20 @@ from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace, wr
 from .validate import channel_order_problems, find_problems, render_listing, validate
 
 __all__ = [
+    "COMPUTE_KINDS",
     "SCHEDULES",
+    "SYNC_KINDS",
     "Action",
     "ActionKind",
+    "AnyAction",
     "AutoCandidate",
+    "OverlapAction",
     "Schedule",
     "ScheduleError",
     "SimulationResult",
     "TimelineEvent",
     "Transfer",
+    "add_grad_sync",
     "auto_candidates",
     "build_schedule",
     "channel_order_problems",
@@ -54,6 +71,7 @@ __all__ = [
     "find_problems",
     "gpipe",
     "greedy_schedule",
+    "has_grad_sync",
     "interleaved_1f1b",
     "one_f_one_b",
     "parse_action",
@@ -63,6 +81,7 @@ __all__ = [
     "schedule_names",
     "schedule_options",
     "simulate",
+    "strip_grad_sync",
     "to_chrome_trace",
     "validate",
     "write_chrome_trace",
@@ -78,6 +97,7 @@ _RUNTIME_EXPORTS = {
     "PipelineRuntime": "runtime",
     "StepResult": "runtime",
     "build_runtime": "build",
+    "idle_breakdown": "measure",
     "bubble_report": "measure",
     "measured_bubble_ratio": "measure",
     "pipeline_groups": "build",

@@ -4,7 +4,11 @@ Each rank runs its action list strictly in order. An action starts when its rank
 
 * ``F(s, i)`` needs ``F(s-1, i)``;
 * ``B(s, i)`` / ``BW(s, i)`` need ``F(s, i)`` and the ``B``/``BW`` of ``(s+1, i)``;
-* ``W(s, i)`` needs ``B(s, i)``.
+* ``W(s, i)`` needs ``B(s, i)``;
+* an :class:`~splitgrad.pipeline.actions.OverlapAction` needs both parts' inputs, takes
+  ``f + b - overlap * min(f, b)`` (``b`` of a ``BW`` part is ``b + w``) and delivers both outputs at its end;
+* a gradient-sync point ``R`` needs nothing and takes no time; ``RF`` takes the stage's ``sync`` cost (the
+  exposed part of its data-parallel reduction).
 
 An input produced on another rank arrives ``comm`` after its producer ends. This is blocking point-to-point
 with *receives* blocking and sends posted asynchronously (``isend``), which is how
@@ -21,13 +25,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import Action, ActionKind, Schedule
+from .actions import Action, ActionKind, OverlapAction, Schedule
 
 __all__ = ["EngineRun", "run_engine"]
 
 _F = ActionKind.F
 _B = ActionKind.B
 _W = ActionKind.W
+_BW = ActionKind.BW
+_RF = ActionKind.RF
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +44,7 @@ class EngineRun:
     """``starts[r][j]`` is the start of rank ``r``'s ``j``-th action (lists are shorter if stuck)."""
     ends: tuple[list[float], ...]
     """``ends[r][j]`` is its end."""
-    blocked: tuple[tuple[int, Action, Action | None], ...]
+    blocked: tuple[tuple[int, Action | OverlapAction, Action | None], ...]
     """``(rank, action, missing_input)`` per rank that could not finish; ``missing_input`` is ``None`` when
     the action is one the engine refuses to run (a duplicate, or a ``W`` whose ``(stage, microbatch)`` ran a
     full ``BW``)."""
@@ -55,11 +61,15 @@ def run_engine(
     b: Sequence[float],
     w: Sequence[float],
     comm: float,
+    *,
+    sync: Sequence[float] | None = None,
+    overlap: float = 0.0,
 ) -> EngineRun:
     """Execute ``schedule`` under the blocking model with per-stage costs ``f``, ``b``, ``w``.
 
     The caller guarantees stage/microbatch indices are in range and each action sits on its stage's rank
-    (:func:`validate` checks that first). ``BW`` costs ``b + w``.
+    (:func:`validate` checks that first). ``BW`` costs ``b + w``; ``RF`` costs ``sync[s]`` (default 0); an
+    overlapped pair hides ``overlap`` (0..1) of its shorter part.
     """
     m = schedule.n_microbatches
     n_stages = schedule.n_stages
@@ -85,6 +95,8 @@ def run_engine(
     work = list(range(n_ranks - 1, -1, -1))
     last = n_stages - 1
     F, B, W = _F, _B, _W
+    sync_cost = tuple(sync) if sync is not None else (0.0,) * n_stages
+    Overlap = OverlapAction
 
     while work:
         r = work.pop()
@@ -95,7 +107,55 @@ def run_engine(
         st_append = starts[r].append
         en_append = ends[r].append
         while p < n_acts:
-            s, k, i = acts[p]
+            a = acts[p]
+            if a.__class__ is Overlap:
+                fs, _, fi = a.forward
+                bs, bk, bi = a.backward
+                fidx, bidx = fs * m + fi, bs * m + bi
+                ready = t
+                if fs:
+                    d = fend[fidx - m]
+                    if d is None:
+                        wait_f.setdefault(fidx - m, []).append(r)
+                        break
+                    d += from_prev[fs]
+                    ready = d if d > ready else ready
+                d = fend[bidx]
+                if d is None:
+                    wait_f.setdefault(bidx, []).append(r)
+                    break
+                ready = d if d > ready else ready
+                if bs < last:
+                    d = gend[bidx + m]
+                    if d is None:
+                        wait_g.setdefault(bidx + m, []).append(r)
+                        break
+                    d += from_next[bs]
+                    ready = d if d > ready else ready
+                if fend[fidx] is not None or gend[bidx] is not None:
+                    refused[r] = True
+                    break
+                cf, cb = f[fs], (b[bs] if bk is B else bw[bs])
+                e = ready + cf + cb - overlap * (cf if cf < cb else cb)
+                fend[fidx] = e
+                gend[bidx] = e
+                split[bidx] = bk is B
+                for key, waiting in ((fidx, wait_f), (bidx, wait_g)):
+                    waiters = waiting.pop(key, None)
+                    if waiters:
+                        work.extend(waiters)
+                st_append(ready)
+                en_append(e)
+                t = e
+                p += 1
+                continue
+            s, k, i = a
+            if i is None:  # gradient-sync point: no inputs
+                st_append(t)
+                t = t + sync_cost[s] if k is _RF else t
+                en_append(t)
+                p += 1
+                continue
             idx = s * m + i
             if k is F:
                 ready = t
@@ -173,9 +233,14 @@ def run_engine(
 
 
 def _missing_input(
-    action: Action, fend: list[float | None], gend: list[float | None], m: int, last: int
+    action: Action | OverlapAction, fend: list[float | None], gend: list[float | None], m: int, last: int
 ) -> Action | None:
     """The input ``action`` is blocked on (named as the action that would produce it)."""
+    if type(action) is OverlapAction:
+        fs, _, fi = action.forward
+        if fs and fend[(fs - 1) * m + fi] is None:
+            return Action(fs - 1, _F, fi)
+        return _missing_input(action.backward, fend, gend, m, last)
     s, k, i = action
     idx = s * m + i
     if k is _F:

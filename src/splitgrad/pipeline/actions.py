@@ -1,9 +1,16 @@
 """Pipeline schedules as data: actions, per-rank action lists, and the stage-to-rank mapping.
 
-An :class:`Action` is ``(stage, kind, microbatch)``. Kinds are ``F`` (forward), ``B`` (input gradient only),
-``W`` (weight gradient, the work ``backward_dw()`` runs) and ``BW`` (full backward, for schedules that do not
-split). Its string form is compact and round-trips: ``"1F0"``, ``"2W3"``, ``"0BW5"``; the same string names the
-profiler range a runtime opens for it.
+An :class:`Action` is ``(stage, kind, microbatch)``. Compute kinds are ``F`` (forward), ``B`` (input gradient
+only), ``W`` (weight gradient, the work ``backward_dw()`` runs) and ``BW`` (full backward, for schedules that do
+not split). Its string form is compact and round-trips: ``"1F0"``, ``"2W3"``, ``"0BW5"``; the same string names
+the profiler range a runtime opens for it.
+
+Two more kinds make what a runtime does around the compute part of the schedule (torch.pipelining's
+``REDUCE_GRAD``): gradient-sync points ``R`` ("the stage's data-parallel reductions may start from here") and
+``RF`` ("finish the stage's reductions"), without a microbatch (``"0R"``, ``"0RF"``); see
+:func:`splitgrad.pipeline.add_grad_sync`. An :class:`OverlapAction` (torch's ``OVERLAP_F_B``, DualPipe's
+``overlapped_forward_backward``) holds an ``F`` and a ``B``/``BW`` of other microbatches on the same rank that run
+as one unit: ``"0F3+3BW1"``.
 
 A :class:`Schedule` is one ordered action list per rank plus the stage-to-rank mapping. It only *describes*
 work; :func:`splitgrad.pipeline.validate` checks it, :func:`splitgrad.pipeline.simulate` times it, and a runtime
@@ -19,8 +26,12 @@ from enum import Enum
 from typing import NamedTuple
 
 __all__ = [
+    "COMPUTE_KINDS",
+    "SYNC_KINDS",
     "Action",
     "ActionKind",
+    "AnyAction",
+    "OverlapAction",
     "Schedule",
     "ScheduleError",
     "Transfer",
@@ -43,6 +54,12 @@ class ActionKind(str, Enum):
     """Weight gradient of an earlier ``B`` (``backward_dw()``)."""
     BW = "BW"
     """Full backward: input and weight gradient together."""
+    R = "R"
+    """Gradient-sync point: the stage's data-parallel reductions may start from here on (no microbatch)."""
+    RF = "RF"
+    """Gradient-sync point: finish the stage's data-parallel reductions (no microbatch)."""
+    FB = "FB"
+    """An :class:`OverlapAction`: a forward and a backward of two microbatches run as one unit."""
 
     # Enum.__hash__ is a Python-level call; hashing like the plain string keeps dict lookups in the
     # simulator cheap and stays consistent with ``ActionKind.F == "F"``.
@@ -52,7 +69,13 @@ class ActionKind(str, Enum):
         return self.value
 
 
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW})
+"""Kinds that compute for one (stage, microbatch)."""
+SYNC_KINDS = frozenset({ActionKind.R, ActionKind.RF})
+"""Gradient-sync kinds: per stage, no microbatch (``Action.microbatch`` is None)."""
+
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
+_SYNC_RE = re.compile(r"^(\d+)(RF|R)$")
 _KINDS_BY_VALUE = {kind.value: kind for kind in ActionKind}
 
 
@@ -65,36 +88,105 @@ class Action(NamedTuple):
 
     stage: int
     kind: ActionKind
-    microbatch: int
+    microbatch: int | None
+    """The microbatch; None for the gradient-sync kinds ``R`` and ``RF``."""
 
     @property
     def name(self) -> str:
-        """Compact string form, e.g. ``"1F0"``; also the profiler range name."""
+        """Compact string form, e.g. ``"1F0"`` or ``"0RF"``; also the profiler range name."""
+        if self.microbatch is None:
+            return f"{self.stage}{self.kind.value}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @property
+    def parts(self) -> tuple[Action]:
+        """The compute actions this action consists of (itself); see :attr:`OverlapAction.parts`."""
+        return (self,)
 
     def __str__(self) -> str:
         return self.name
 
     @classmethod
-    def parse(cls, text: str) -> Action:
+    def parse(cls, text: str) -> AnyAction:
         """Inverse of ``str(action)``; see :func:`parse_action`."""
         return parse_action(text)
 
 
-def parse_action(text: str) -> Action:
-    """Parse the compact form ``"<stage><kind><microbatch>"``, e.g. ``"2W3"`` or ``"0BW1"``.
+class OverlapAction(NamedTuple):
+    """A forward and a backward (``B`` or ``BW``) of other microbatches, run on one rank as one unit.
+
+    torch.pipelining's ``OVERLAP_F_B``, DualPipe's ``overlapped_forward_backward``: the two parts' work can hide
+    each other's communication (e.g. an MoE all-to-all). The unit starts when both parts' inputs exist and
+    both outputs exist at its end. String form ``"<forward>+<backward>"``, e.g. ``"0F3+3BW1"``.
+    """
+
+    forward: Action
+    """The ``F`` part."""
+    backward: Action
+    """The ``B`` or ``BW`` part (any stage of the same rank, any other microbatch)."""
+
+    @property
+    def kind(self) -> ActionKind:
+        """Always :attr:`ActionKind.FB`."""
+        return ActionKind.FB
+
+    @property
+    def stage(self) -> int:
+        """The forward part's stage."""
+        return self.forward.stage
+
+    @property
+    def microbatch(self) -> None:
+        """None: the parts carry the microbatches."""
+        return None
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        """``(forward, backward)``."""
+        return (self.forward, self.backward)
+
+    @property
+    def name(self) -> str:
+        """Compact string form, e.g. ``"0F3+3BW1"``; also the profiler range name."""
+        return f"{self.forward.name}+{self.backward.name}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+AnyAction = Action | OverlapAction
+"""What a rank's action list holds."""
+
+
+def parse_action(text: str) -> AnyAction:
+    """Parse the compact form: ``"<stage><kind><microbatch>"`` (``"2W3"``, ``"0BW1"``), a sync point
+    ``"<stage>R"`` / ``"<stage>RF"``, or an overlapped pair ``"<F action>+<B or BW action>"`` (``"0F3+3BW1"``).
 
     Raises:
         ValueError: ``text`` is not of that form.
     """
-    match = _ACTION_RE.match(text.strip())
-    if match is None:
-        raise ValueError(
-            f"cannot parse action {text!r}: expected '<stage><kind><microbatch>' with kind in F, B, W, BW "
-            "(e.g. '1F0', '2W3', '0BW1')"
-        )
-    stage, kind, microbatch = match.groups()
-    return Action(int(stage), _KINDS_BY_VALUE[kind], int(microbatch))
+    body = text.strip()
+    if "+" in body:
+        head, _, tail = body.partition("+")
+        forward, backward = parse_action(head), parse_action(tail)
+        if forward.kind is not ActionKind.F or backward.kind not in (ActionKind.B, ActionKind.BW):
+            raise ValueError(
+                f"cannot parse action {text!r}: an overlapped pair is '<F action>+<B or BW action>' (e.g. "
+                f"'0F3+3BW1'), got {forward.kind.value} + {backward.kind.value}"
+            )
+        return OverlapAction(forward, backward)
+    match = _ACTION_RE.match(body)
+    if match is not None:
+        stage, kind, microbatch = match.groups()
+        return Action(int(stage), _KINDS_BY_VALUE[kind], int(microbatch))
+    match = _SYNC_RE.match(body)
+    if match is not None:
+        stage, kind = match.groups()
+        return Action(int(stage), _KINDS_BY_VALUE[kind], None)
+    raise ValueError(
+        f"cannot parse action {text!r}: expected '<stage><kind><microbatch>' with kind in F, B, W, BW "
+        "(e.g. '1F0', '2W3', '0BW1'), a sync point '<stage>R' / '<stage>RF', or '<F action>+<B action>'"
+    )
 
 
 class Transfer(NamedTuple):
@@ -126,7 +218,7 @@ class Schedule:
     """Microbatches per step; actions use indices ``0 .. n_microbatches - 1``."""
     stage_to_rank: tuple[int, ...]
     """``stage_to_rank[s]`` is the rank that runs model stage ``s``; every rank holds at least one stage."""
-    rank_actions: tuple[tuple[Action, ...], ...]
+    rank_actions: tuple[tuple[AnyAction, ...], ...]
     """``rank_actions[r]`` is rank ``r``'s actions in execution order."""
 
     def __post_init__(self) -> None:
@@ -188,12 +280,22 @@ class Schedule:
 
     # -- communication a runtime must do around an action ---------------------------------------------
 
+    def receives(self, action: AnyAction) -> tuple[Transfer, ...]:
+        """Every message ``action`` must receive before it runs (both parts of an :class:`OverlapAction`)."""
+        return tuple(t for part in action.parts if (t := self.recv_before(part)) is not None)
+
+    def sends(self, action: AnyAction) -> tuple[Transfer, ...]:
+        """Every message ``action`` produces for another rank (both parts of an :class:`OverlapAction`)."""
+        return tuple(t for part in action.parts if (t := self.send_after(part)) is not None)
+
     def recv_before(self, action: Action) -> Transfer | None:
         """The message ``action`` must receive before it can run, or ``None`` (local input or none needed).
 
         ``F`` of stage ``s > 0`` receives ``s - 1``'s activation; ``B``/``BW`` of stage ``s < n_stages - 1``
         receives ``s + 1``'s input gradient; ``W`` never receives.
         """
+        if type(action) is OverlapAction:
+            raise ValueError(f"recv_before takes one compute action; use receives() for {action}")
         stage, kind, mb = action
         here = self.rank_of(stage)
         if kind is ActionKind.F and stage > 0:
@@ -208,6 +310,8 @@ class Schedule:
 
     def send_after(self, action: Action) -> Transfer | None:
         """The message ``action`` produces for another rank, or ``None`` (consumer is local or absent)."""
+        if type(action) is OverlapAction:
+            raise ValueError(f"send_after takes one compute action; use sends() for {action}")
         stage, kind, mb = action
         here = self.rank_of(stage)
         if kind is ActionKind.F and stage + 1 < self.n_stages:
@@ -237,7 +341,7 @@ class Schedule:
     def from_text(cls, text: str) -> Schedule:
         """Parse :meth:`to_text` output; lines starting with ``#`` and blank lines are ignored."""
         fields: dict[str, str] = {}
-        ranks: dict[int, tuple[Action, ...]] = {}
+        ranks: dict[int, tuple[AnyAction, ...]] = {}
         for lineno, raw in enumerate(text.splitlines(), start=1):
             line = raw.strip()
             if not line or line.startswith("#"):

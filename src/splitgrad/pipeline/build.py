@@ -21,7 +21,7 @@ from torch import nn
 
 from .actions import Schedule
 from .executor import LossFn
-from .runtime import PipelineRuntime
+from .runtime import PipelineRuntime, resolve_pipeline_rank
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 
@@ -115,7 +115,12 @@ def build_runtime(
     Args:
         stages: every stage of the model, in order (this rank keeps the ones the schedule gives it).
         schedule: a :class:`Schedule`, or a name for :func:`splitgrad.pipeline.build_schedule` (then
-            ``n_microbatches`` is required and ``n_stages = len(stages)``).
+            ``n_microbatches`` is required and ``n_stages = len(stages)``). ``"zb-auto"`` without costs in
+            ``schedule_options`` (or ``"auto"``) is profile-guided: the first steps run 1F1B with split
+            backward and are measured, then zb-auto plans with the measured costs and memory
+            (:mod:`splitgrad.pipeline.autoplan`; ``runtime.planner.plan`` says what it found). Its
+            ``schedule_options``: ``memory_budget`` (1F1B-equivalents, default 1.0) or ``memory_budget_bytes``,
+            and ``profile_steps`` (default 1).
         loss_fn: see :class:`PipelineRuntime`.
         n_microbatches: microbatches per step, for a schedule given by name.
         pp_group: the pipeline group (None: the default group).
@@ -125,6 +130,32 @@ def build_runtime(
         schedule_options: options of the schedule family (e.g. ``{"split_backward": True}``).
         **runtime_options: the remaining :class:`PipelineRuntime` keyword arguments.
     """
+    planner = None
+    options = dict(schedule_options or {})
+    if isinstance(schedule, str) and (
+        schedule.lower() == "auto" or (schedule.lower() == "zb-auto" and not {"f", "b", "w"} & set(options))
+    ):
+        from .autoplan import ProfileGuidedPlanner, profiling_schedule
+
+        if n_microbatches is None:
+            raise ValueError(f"build_runtime: schedule {schedule!r} given by name needs n_microbatches")
+        planner = ProfileGuidedPlanner(
+            memory_budget=options.pop("memory_budget", None),
+            memory_budget_bytes=options.pop("memory_budget_bytes", None),
+            profile_steps=options.pop("profile_steps", 1),
+        )
+        if options:
+            raise ValueError(
+                f"build_runtime: profile-guided {schedule!r} takes schedule_options memory_budget, "
+                f"memory_budget_bytes and profile_steps, got {sorted(options)}"
+            )
+        if runtime_options.get("record_timeline") is False:
+            raise ValueError(
+                f"build_runtime: profile-guided {schedule!r} measures the timeline (record_timeline)"
+            )
+        schedule, schedule_options = profiling_schedule(len(stages), n_microbatches), None
+        planner.keep_meter = bool(runtime_options.get("track_memory", False))
+        runtime_options["track_memory"] = True
     if isinstance(schedule, str):
         if n_microbatches is None:
             raise ValueError(f"build_runtime: schedule {schedule!r} given by name needs n_microbatches")
@@ -137,9 +168,11 @@ def build_runtime(
         raise ValueError(
             f"build_runtime: schedule {schedule.name!r} has {schedule.n_stages} stages, got {len(stages)} modules"
         )
-    rank = runtime_options.pop("rank", None)
-    if rank is None:
-        rank = dist.get_rank(pp_group) if dist.is_initialized() and schedule.n_ranks > 1 else 0
+    # Checked before any stage is wrapped (wrapping broadcasts over dp_group): a schedule that does not fit
+    # the pipeline group fails here, on every rank, naming the schedule and both sizes.
+    rank = resolve_pipeline_rank(
+        schedule, rank=runtime_options.pop("rank", None), pp_group=pp_group, who="build_runtime"
+    )
     mine: dict[int, nn.Module] = {s: stages[s] for s in schedule.stages_of(rank)}
     if dp_group is not None:
         from ..parallel import DistributedDataParallel
@@ -150,4 +183,8 @@ def build_runtime(
         }
     elif ddp_options:
         raise ValueError("build_runtime: ddp_options need a dp_group")
-    return PipelineRuntime(mine, schedule, loss_fn=loss_fn, rank=rank, pp_group=pp_group, **runtime_options)
+    runtime = PipelineRuntime(
+        mine, schedule, loss_fn=loss_fn, rank=rank, pp_group=pp_group, **runtime_options
+    )
+    runtime.planner = planner
+    return runtime

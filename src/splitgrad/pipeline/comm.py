@@ -152,10 +152,7 @@ class PipelineComm:
         self._position: dict[MessageKey, tuple[int, int]] = {}
         for src, actions in enumerate(schedule.rank_actions):
             opened: set[tuple[int, str, int]] = set()
-            for action in actions:
-                out = schedule.send_after(action)
-                if out is None:
-                    continue
+            for out in (t for action in actions for t in schedule.sends(action)):
                 channel = (out.dst_rank, out.kind, out.src_stage)
                 first = channel not in opened
                 opened.add(channel)

@@ -110,38 +110,81 @@ class StageExecutor:
 
     def forward(self, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
         """``F(stage, mb)``; returns the detached output for the next stage (None on the last stage)."""
-        if stage == 0:
-            x = self.inputs[mb]
-        else:
-            x = self._take("activation", stage - 1, mb, received)
-            if not x.is_floating_point():
-                raise ValueError(
-                    f"stage {stage - 1} must output a floating-point tensor (its gradient flows back), got dtype "
-                    f"{x.dtype} for microbatch {mb}"
-                )
-            x = x.detach().requires_grad_()
+        x = self._forward_input(stage, mb, received)
         with self.meter.forward(stage, mb) if self.meter is not None else contextlib.nullcontext():
             y = self.stages[stage](x)
-            if not isinstance(y, torch.Tensor):
-                raise TypeError(
-                    f"stage {stage} must return one tensor, got {type(y).__name__} (microbatch {mb})"
-                )
-            if stage == self.last_stage:
-                y = self.loss_fn(y, self.targets[mb])
-                if not isinstance(y, torch.Tensor) or y.numel() != 1:
-                    raise ValueError(
-                        f"loss_fn must return a scalar tensor, got {type(y).__name__} of shape "
-                        f"{tuple(getattr(y, 'shape', ()))} for microbatch {mb}"
-                    )
-                self.losses[mb] = y.detach().reshape(())
-        self._leaves[(stage, mb)] = x
-        self._outputs[(stage, mb)] = y
-        return None if stage == self.last_stage else y.detach()
+            return self._forward_done(stage, mb, x, y)
 
     def backward(
         self, stage: int, mb: int, received: torch.Tensor | None, *, run_weight: bool
     ) -> torch.Tensor | None:
         """``B`` (``run_weight=False``) or ``BW`` of ``(stage, mb)``; returns the input gradient (None on stage 0)."""
+        x, y, grad = self._backward_operands(stage, mb, received)
+        with capture_wgrad() as bundle:
+            if y.requires_grad:
+                torch.autograd.backward(y, grad)
+        return self._backward_done(stage, mb, x, bundle, run_weight)
+
+    def overlapped(
+        self,
+        forward: tuple[int, int, torch.Tensor | None],
+        backward: tuple[int, int, torch.Tensor | None],
+        *,
+        run_weight: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An overlapped pair: ``F`` of ``forward = (stage, mb, received)`` and ``B``/``BW`` of ``backward``.
+
+        When the forward stage's module has a callable ``overlapped_forward_backward(x, y, dy)`` it gets both
+        parts at once: it must return ``module(x)`` and run ``torch.autograd.backward(y, dy)`` (``x``: the
+        forward input, ``y``/``dy``: the backward part's output and its gradient, same shape), interleaving
+        them as it likes (e.g. one part's all-to-all behind the other's GEMMs). Otherwise the forward runs,
+        then the backward. Returns ``(forward output or None, input gradient or None)`` like :meth:`forward`
+        and :meth:`backward`.
+        """
+        fs, fmb, freceived = forward
+        bs, bmb, breceived = backward
+        module = self.stages[fs]
+        hook = getattr(module, "overlapped_forward_backward", None)
+        if not callable(hook):
+            out = self.forward(fs, fmb, freceived)
+            return out, self.backward(bs, bmb, breceived, run_weight=run_weight)
+        x = self._forward_input(fs, fmb, freceived)
+        bx, y, grad = self._backward_operands(bs, bmb, breceived)
+        meter = self.meter.forward(fs, fmb) if self.meter is not None else contextlib.nullcontext()
+        with meter, capture_wgrad() as bundle:
+            out = hook(x, y, grad) if y.requires_grad else module(x)
+            out = self._forward_done(fs, fmb, x, out)
+        return out, self._backward_done(bs, bmb, bx, bundle, run_weight)
+
+    def _forward_input(self, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+        if stage == 0:
+            return self.inputs[mb]
+        x = self._take("activation", stage - 1, mb, received)
+        if not x.is_floating_point():
+            raise ValueError(
+                f"stage {stage - 1} must output a floating-point tensor (its gradient flows back), got dtype "
+                f"{x.dtype} for microbatch {mb}"
+            )
+        return x.detach().requires_grad_()
+
+    def _forward_done(self, stage: int, mb: int, x: torch.Tensor, y: Any) -> torch.Tensor | None:
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"stage {stage} must return one tensor, got {type(y).__name__} (microbatch {mb})")
+        if stage == self.last_stage:
+            y = self.loss_fn(y, self.targets[mb])
+            if not isinstance(y, torch.Tensor) or y.numel() != 1:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got {type(y).__name__} of shape "
+                    f"{tuple(getattr(y, 'shape', ()))} for microbatch {mb}"
+                )
+            self.losses[mb] = y.detach().reshape(())
+        self._leaves[(stage, mb)] = x
+        self._outputs[(stage, mb)] = y
+        return None if stage == self.last_stage else y.detach()
+
+    def _backward_operands(
+        self, stage: int, mb: int, received: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self._leaves.pop((stage, mb))
         y = self._outputs.pop((stage, mb))
         if stage == self.last_stage:
@@ -153,9 +196,11 @@ class StageExecutor:
                     f"stage {stage} microbatch {mb}: output gradient of shape {tuple(grad.shape)} for an output of "
                     f"shape {tuple(y.shape)}"
                 )
-        with capture_wgrad() as bundle:
-            if y.requires_grad:
-                torch.autograd.backward(y, grad)
+        return x, y, grad
+
+    def _backward_done(
+        self, stage: int, mb: int, x: torch.Tensor, bundle: WgradBundle, run_weight: bool
+    ) -> torch.Tensor | None:
         if run_weight:
             self._run_bundle(stage, mb, bundle)
         else:

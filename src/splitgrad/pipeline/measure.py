@@ -11,6 +11,7 @@ span; ``(span - compute) / span``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import pickle
@@ -31,6 +32,7 @@ __all__ = [
     "TimelineRecorder",
     "bubble_report",
     "gather_events",
+    "idle_breakdown",
     "measured_bubble_ratio",
     "measured_costs",
     "save_measured_timeline",
@@ -146,6 +148,50 @@ def measured_bubble_ratio(events: Iterable[TimelineEvent]) -> float:
     return max((hi - lo - work) / (hi - lo), 0.0) if hi > lo else 0.0
 
 
+def idle_breakdown(events: Iterable[TimelineEvent]) -> dict[int, dict[str, float]]:
+    """Where each rank's step time went: compute, waiting in a receive, and the rest of the idle time.
+
+    Per rank: ``span`` (first compute start to last compute end), ``compute`` (sum of compute events),
+    ``recv_wait`` (receive waits between compute events, clipped to the span) and ``other`` (idle time no
+    receive explains: posting and completing sends, shape headers, Python between actions). All in the
+    events' unit (seconds for measured runs); ``span = compute + recv_wait + other``.
+    """
+    by_rank: dict[int, list[TimelineEvent]] = {}
+    for e in events:
+        by_rank.setdefault(e.rank, []).append(e)
+    out: dict[int, dict[str, float]] = {}
+    for rank, evs in sorted(by_rank.items()):
+        compute = sorted((e.start, e.end) for e in evs if e.is_compute)
+        if not compute:
+            continue
+        lo, hi = compute[0][0], max(end for _, end in compute)
+        busy = sum(end - start for start, end in compute)
+        gaps = [
+            (a_end, b_start) for (_, a_end), (b_start, _) in itertools.pairwise(compute) if b_start > a_end
+        ]
+        waits = [(e.start, e.end) for e in evs if e.kind == "comm"]
+        in_wait = 0.0
+        for g0, g1 in gaps:
+            # Union of the waits overlapping this gap (prefetched receives may overlap each other).
+            spans = sorted((max(w0, g0), min(w1, g1)) for w0, w1 in waits if w1 > g0 and w0 < g1)
+            cur0, cur1 = None, None
+            for a, b in spans:
+                if cur1 is None or a > cur1:
+                    in_wait += 0.0 if cur1 is None else cur1 - cur0
+                    cur0, cur1 = a, b
+                else:
+                    cur1 = max(cur1, b)
+            in_wait += 0.0 if cur1 is None else cur1 - cur0
+        span = hi - lo
+        out[rank] = {
+            "span": span,
+            "compute": busy,
+            "recv_wait": in_wait,
+            "other": max(span - busy - in_wait, 0.0),
+        }
+    return out
+
+
 def measured_costs(
     events: Iterable[TimelineEvent], n_stages: int
 ) -> tuple[list[float], list[float], list[float], float]:
@@ -245,6 +291,14 @@ class ActivationMeter:
         self.live: dict[tuple[int, int], int] = {}
         self.current = 0
         self.peak = 0
+        #: Per stage, every forward's saved bytes (``M_B``) and every ``B``'s kept bundle bytes (``M_W``), across
+        #: steps until :meth:`clear_samples` (what a profile-guided plan reads).
+        self.forward_bytes: dict[int, list[int]] = {}
+        self.held_bytes: dict[int, list[int]] = {}
+
+    def clear_samples(self) -> None:
+        self.forward_bytes.clear()
+        self.held_bytes.clear()
 
     def reset(self) -> None:
         self.live.clear()
@@ -268,6 +322,7 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
         self.live[(stage, microbatch)] = total
+        self.forward_bytes.setdefault(stage, []).append(total)
         self.current += total
         self.peak = max(self.peak, self.current)
 
@@ -275,6 +330,7 @@ class ActivationMeter:
         """After ``B``: the microbatch now keeps only ``nbytes`` (its bundle's operands) until ``W``."""
         self.current += nbytes - self.live.get((stage, microbatch), 0)
         self.live[(stage, microbatch)] = nbytes
+        self.held_bytes.setdefault(stage, []).append(nbytes)
 
     def release(self, stage: int, microbatch: int) -> None:
         self.current -= self.live.pop((stage, microbatch), 0)

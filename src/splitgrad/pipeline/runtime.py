@@ -6,10 +6,12 @@ what the action needs (:class:`~splitgrad.pipeline.comm.PipelineComm`), computes
 capture bundle, ``W`` running exactly that bundle, ``BW``), times it
 (:class:`~splitgrad.pipeline.measure.TimelineRecorder`) and queues what it produces for the next rank.
 
-Data parallelism composes per stage: a stage module with ``no_sync()`` and ``finish_grad_sync()`` (a
-:class:`splitgrad.parallel.DistributedDataParallel`) runs every action inside ``no_sync()`` except the stage's
-last ``B``-type and last ``W``-type action, so each bucket starts reducing as soon as its last contribution
-(often a ``W``) has run; ``finish_grad_sync()`` is called at the end of the step.
+Every action reaches its handler through one table (kind -> method), so a new kind touches the IR, the
+simulator and one handler. Data parallelism composes per stage, driven by the schedule's gradient-sync points
+(:func:`splitgrad.pipeline.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
+stage module with ``no_sync()`` and ``finish_grad_sync()`` (a :class:`splitgrad.parallel.DistributedDataParallel`)
+runs its actions inside ``no_sync()`` until its ``R`` point, so each bucket starts reducing as soon as its last
+contribution (often a ``W``) has run, and ``finish_grad_sync()`` runs at its ``RF`` point.
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import ensure_no_pending_wgrad
-from .actions import Action, ActionKind, Schedule
+from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
 from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
+from .passes import add_grad_sync, has_grad_sync
 from .timeline import TimelineEvent
 from .validate import validate
 
-__all__ = ["PipelineRuntime", "StepResult"]
+__all__ = ["PipelineRuntime", "StepResult", "resolve_pipeline_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,9 @@ class PipelineRuntime:
             ascending order. Each module maps one tensor to one tensor (any shape, e.g. ``(batch, seq,
             hidden)``); boundary tensors must be floating point. Build splitgrad layers with
             ``delay_wgrad_compute=True`` for ``W`` to do any work.
-        schedule: the schedule every rank runs (validated here).
+        schedule: the schedule every rank runs (validated here). Without gradient-sync points it is lowered
+            with :func:`~splitgrad.pipeline.add_grad_sync` when a local stage can sync gradients;
+            :attr:`schedule` is what runs.
         loss_fn: ``loss_fn(last stage output, target) -> scalar`` for one microbatch; the step's loss is the
             mean over microbatches (gradients are scaled by ``1 / n_microbatches``).
         rank: this rank's index in the schedule; default: its rank in ``pp_group``.
@@ -113,33 +118,20 @@ class PipelineRuntime:
         if check_schedule:
             validate(schedule)
         distributed = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            if schedule.n_ranks == 1:
-                rank = 0
-            elif not distributed:
-                raise RuntimeError(
-                    f"PipelineRuntime: schedule {schedule.name!r} spans {schedule.n_ranks} ranks but "
-                    "torch.distributed is not initialised"
-                )
-            else:
-                rank = dist.get_rank(pp_group)
-        if not 0 <= rank < schedule.n_ranks:
-            raise ValueError(
-                f"PipelineRuntime: {rank=} outside the schedule's ranks 0..{schedule.n_ranks - 1}"
-            )
-        if distributed and schedule.n_ranks > 1 and dist.get_world_size(pp_group) != schedule.n_ranks:
-            raise ValueError(
-                f"PipelineRuntime: the pipeline group has {dist.get_world_size(pp_group)} ranks but schedule "
-                f"{schedule.name!r} needs {schedule.n_ranks}"
-            )
-        self.schedule = schedule
+        rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
         self.rank = rank
         self.pp_group = pp_group
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
         self.broadcast_loss = broadcast_loss
+        self.schedule = schedule
         self.stages = self._own_stages(stages)
-        self.actions = schedule.rank_actions[rank]
+        # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
+        self.grad_sync = {
+            s: m
+            for s, m in self.stages.items()
+            if callable(getattr(m, "no_sync", None)) and callable(getattr(m, "finish_grad_sync", None))
+        }
         self.first_stage, self.last_stage = 0, schedule.n_stages - 1
         if device is None:
             params = [p for m in self.stages.values() for p in m.parameters()]
@@ -152,6 +144,7 @@ class PipelineRuntime:
         # Set when a distributed step fails: receives it posted may still be pending in the backend and would
         # take the next step's messages, so the runtime refuses to run again.
         self._failed: str | None = None
+        self._closed = False
         self.executor = StageExecutor(
             self.stages,
             n_stages=schedule.n_stages,
@@ -159,32 +152,67 @@ class PipelineRuntime:
             loss_fn=loss_fn,
             meter=ActivationMeter() if track_memory else None,
         )
-        self.comm = (
-            PipelineComm(
+        self._prefetch = bool(prefetch)
+        self.comm: PipelineComm | None = None
+        #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
+        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.autoplan.ProfileGuidedPlanner`).
+        self.planner: Any = None
+        self.install_schedule(schedule, check=False)
+        # One handler per action kind: the runtime interprets the schedule and decides nothing itself. Plain
+        # functions, not bound methods: a dict of bound methods on self is a reference cycle that would keep a
+        # dropped runtime (and its process groups) alive until the garbage collector runs.
+        self._handlers: dict[ActionKind, Callable[..., None]] = {
+            ActionKind.F: PipelineRuntime._forward,
+            ActionKind.B: PipelineRuntime._backward,
+            ActionKind.BW: PipelineRuntime._backward,
+            ActionKind.W: PipelineRuntime._weight,
+            ActionKind.FB: PipelineRuntime._overlapped,
+            ActionKind.R: PipelineRuntime._open_grad_sync,
+            ActionKind.RF: PipelineRuntime._finish_grad_sync,
+        }
+        self._sync_open: set[int] = set()
+
+    def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
+        """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
+        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.add_grad_sync` when a
+        local stage syncs gradients and the schedule has no sync points.
+
+        Raises:
+            ValueError: another stage layout or microbatch count, or a syncing stage without an ``RF`` point.
+        """
+        old = self.schedule
+        if check:
+            validate(schedule)
+            if (schedule.stage_to_rank, schedule.n_microbatches) != (old.stage_to_rank, old.n_microbatches):
+                raise ValueError(
+                    f"PipelineRuntime.install_schedule: {schedule.name!r} maps stages {schedule.stage_to_rank} "
+                    f"with {schedule.n_microbatches} microbatches; the runtime was built for "
+                    f"{old.stage_to_rank} with {old.n_microbatches}"
+                )
+        if self.grad_sync and not has_grad_sync(schedule):
+            schedule = add_grad_sync(schedule)
+        unsynced = [
+            s
+            for s in self.grad_sync
+            if Action(s, ActionKind.RF, None) not in schedule.rank_actions[self.rank]
+        ]
+        if unsynced:
+            raise ValueError(
+                f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
+                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.add_grad_sync"
+            )
+        self.schedule = schedule
+        self.actions = schedule.rank_actions[self.rank]
+        if self._distributed:
+            self.comm = PipelineComm(
                 schedule,
-                rank,
-                group=pp_group,
+                self.rank,
+                group=self.pp_group,
                 device=self.device,
                 timeout=self.timeout,
-                prefetch=bool(prefetch),
+                prefetch=self._prefetch,
                 on_wait=self.recorder.comm,
             )
-            if self._distributed
-            else None
-        )
-        # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
-        self.grad_sync = {
-            s: m
-            for s, m in self.stages.items()
-            if callable(getattr(m, "no_sync", None)) and callable(getattr(m, "finish_grad_sync", None))
-        }
-        # The actions of each stage during which reductions may start: its last B-type and last W-type one.
-        self._sync_points: set[int] = set()
-        for s in self.grad_sync:
-            for kinds in ((ActionKind.B, ActionKind.BW), (ActionKind.W, ActionKind.BW)):
-                last = [j for j, a in enumerate(self.actions) if a.stage == s and a.kind in kinds]
-                if last:
-                    self._sync_points.add(last[-1])
 
     def _own_stages(self, stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -230,6 +258,8 @@ class PipelineRuntime:
                 weight-gradient work is pending in the stages before the step.
             ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
         """
+        if self._closed:
+            raise RuntimeError(f"PipelineRuntime (pipeline rank {self.rank}): step() after close()")
         if self._failed is not None:
             raise RuntimeError(
                 f"PipelineRuntime (pipeline rank {self.rank}): a previous step failed ({self._failed}); messages "
@@ -248,6 +278,7 @@ class PipelineRuntime:
             self.comm.begin_step()
             if self.recorder.enabled:
                 self._barrier()
+        self._sync_open = set()
         self.recorder.start()
         current: Action | None = None
         try:
@@ -260,8 +291,6 @@ class PipelineRuntime:
             )
             if self.comm is not None:
                 self.comm.finish_step()
-            for module in self.grad_sync.values():
-                module.finish_grad_sync()
             duration = time.perf_counter() - self.recorder.t0
             losses = [self.executor.losses[i] for i in range(m)] if holds_last else []
             loss = self._step_loss(losses)
@@ -285,36 +314,89 @@ class PipelineRuntime:
             w_tasks=executor.w_tasks,
         )
         executor.begin(None, None)
+        if self.planner is not None:
+            self.planner.observe(self, result)
         return result
 
-    def _run(self, j: int, action: Action) -> None:
-        stage, kind, mb = action
-        incoming = self.schedule.recv_before(action)
-        received = None
-        if incoming is not None:
-            received = self.comm.receive(incoming, action)
-        elif self.comm is not None:
-            self.comm.flush(action)
-        if self.comm is not None and j + 1 < len(self.actions):
-            ahead = self.schedule.recv_before(self.actions[j + 1])
-            if ahead is not None:
-                self.comm.prefetch(ahead, self.actions[j + 1])
-        module = self.stages[stage]
-        reduce_now = stage not in self.grad_sync or j in self._sync_points
-        with self.recorder.action(action), contextlib.nullcontext() if reduce_now else module.no_sync():
-            if kind is ActionKind.F:
-                out = self.executor.forward(stage, mb, received)
-            elif kind is ActionKind.W:
-                out = self.executor.weight(stage, mb)
-            else:
-                out = self.executor.backward(stage, mb, received, run_weight=kind is ActionKind.BW)
+    def _run(self, j: int, action: AnyAction) -> None:
+        received: dict[Transfer, torch.Tensor] = {}
+        if self.comm is not None:
+            incoming = self.schedule.receives(action)
+            for transfer in incoming:
+                received[transfer] = self.comm.receive(transfer, action)
+            if not incoming:
+                self.comm.flush(action)
+            if j + 1 < len(self.actions):
+                ahead = self.actions[j + 1]
+                for transfer in self.schedule.receives(ahead):
+                    self.comm.prefetch(transfer, ahead)
+        with self.recorder.action(action):
+            self._handlers[action.kind](self, action, received)
+
+    def _syncing(self, *stages: int) -> contextlib.AbstractContextManager[None]:
+        """``no_sync()`` of every given data-parallel stage whose ``R`` point has not run yet."""
+        held = [self.grad_sync[s] for s in stages if s in self.grad_sync and s not in self._sync_open]
+        if not held:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for module in held:
+            stack.enter_context(module.no_sync())
+        return stack
+
+    def _deliver(self, part: Action, out: torch.Tensor | None) -> None:
+        """Queue ``part``'s output for its consumer: a send to another rank or a local hand-off."""
         if out is None:
             return
-        outgoing = self.schedule.send_after(action)
+        outgoing = self.schedule.send_after(part)
         if outgoing is not None:
-            self.comm.queue_send(outgoing, out, action)
+            self.comm.queue_send(outgoing, out, part)
         else:
-            self.executor.hand_over("activation" if kind is ActionKind.F else "gradient", stage, mb, out)
+            self.executor.hand_over(
+                "activation" if part.kind is ActionKind.F else "gradient", part.stage, part.microbatch, out
+            )
+
+    def _input(self, part: Action, received: dict[Transfer, torch.Tensor]) -> torch.Tensor | None:
+        transfer = self.schedule.recv_before(part)
+        return None if transfer is None else received[transfer]
+
+    # -- handlers, one per action kind -------------------------------------------------------------------
+
+    def _forward(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
+        with self._syncing(action.stage):
+            out = self.executor.forward(action.stage, action.microbatch, self._input(action, received))
+        self._deliver(action, out)
+
+    def _backward(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
+        stage, kind, mb = action
+        with self._syncing(stage):
+            out = self.executor.backward(
+                stage, mb, self._input(action, received), run_weight=kind is ActionKind.BW
+            )
+        self._deliver(action, out)
+
+    def _weight(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
+        with self._syncing(action.stage):
+            self.executor.weight(action.stage, action.microbatch)
+
+    def _overlapped(self, action: AnyAction, received: dict[Transfer, torch.Tensor]) -> None:
+        f, b = action.parts
+        with self._syncing(f.stage, b.stage):
+            f_out, b_out = self.executor.overlapped(
+                (f.stage, f.microbatch, self._input(f, received)),
+                (b.stage, b.microbatch, self._input(b, received)),
+                run_weight=b.kind is ActionKind.BW,
+            )
+        self._deliver(f, f_out)
+        self._deliver(b, b_out)
+
+    def _open_grad_sync(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
+        self._sync_open.add(action.stage)
+
+    def _finish_grad_sync(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
+        module = self.grad_sync.get(action.stage)
+        if module is not None:
+            self._sync_open.add(action.stage)
+            module.finish_grad_sync()
 
     # -- collectives around the step ---------------------------------------------------------------------
 
@@ -346,6 +428,34 @@ class PipelineRuntime:
             f"the step loss broadcast from rank {src}",
         )
         return buf
+
+    # -- teardown ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release this rank's hold on the process groups: the transport, and the stages' data-parallel wrappers.
+
+        Every stage module with a ``close()`` (a :class:`splitgrad.parallel.DistributedDataParallel`, e.g. the
+        ones :func:`~splitgrad.pipeline.build_runtime` creates) is closed. Call it (or use the runtime as a
+        context manager) before ``dist.destroy_process_group()``; a runtime that is simply dropped releases
+        the same, when it is garbage-collected. Idempotent; afterwards :meth:`step` raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.comm is not None:
+            self.comm.abort()
+        self.comm = None
+        self.pp_group = None
+        for module in self.stages.values():
+            close = getattr(module, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> PipelineRuntime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once), e.g. for its optimizer."""
@@ -383,4 +493,69 @@ class PipelineRuntime:
             raise ValueError("timeline_report: the step recorded no events (record_timeline=False?)")
         if prefix is not None:
             save_measured_timeline(events, self.schedule, prefix)
-        return bubble_report(events, self.schedule)
+        report = bubble_report(events, self.schedule)
+        plan = getattr(self.planner, "plan", None)
+        if plan is not None and plan.schedule is self.schedule:
+            report += f"; planned {100 * plan.predicted_bubble:.1f}% from the profiled costs"
+        return report
+
+
+def resolve_pipeline_rank(
+    schedule: Schedule, *, rank: int | None = None, pp_group: dist.ProcessGroup | None = None, who: str
+) -> int:
+    """This process's rank in ``schedule``, after checking that the pipeline group fits the schedule.
+
+    The group must have exactly ``schedule.n_ranks`` ranks, in every case: a one-rank schedule under a larger
+    group would silently run the whole model on every rank, and a multi-rank schedule without
+    ``torch.distributed`` could only fail later, mid-step.
+
+    Args:
+        schedule: the schedule to run.
+        rank: the rank asked for (None: this process's rank in ``pp_group``, or 0 without a process group).
+        pp_group: the pipeline group (None: the default group, when torch.distributed is initialised).
+        who: the caller, named in error messages.
+
+    Raises:
+        RuntimeError: a multi-rank schedule while torch.distributed is not initialised.
+        ValueError: the group's size differs from ``schedule.n_ranks``, this process is not in the group,
+            or ``rank`` is not this process's rank in it (or outside the schedule).
+    """
+    n_ranks = schedule.n_ranks
+    if not (dist.is_available() and dist.is_initialized()):
+        if pp_group is not None or n_ranks > 1:
+            raise RuntimeError(
+                f"{who}: schedule {schedule.name!r} spans {n_ranks} ranks but torch.distributed is not "
+                f"initialised (no process group for n_ranks={n_ranks}); call torch.distributed.init_process_group() on every rank first (and pass the "
+                "pipeline's pp_group), or build a one-rank schedule"
+            )
+        rank = 0 if rank is None else rank
+    else:
+        group_size = dist.get_world_size(pp_group)
+        group_rank = dist.get_rank(pp_group)
+        group = "the default process group" if pp_group is None else "pp_group"
+        if group_rank < 0:
+            raise ValueError(
+                f"{who}: this process (global rank {dist.get_rank()}) is not a member of pp_group; pass the "
+                "pipeline group this process belongs to"
+            )
+        if group_size != n_ranks:
+            hint = (
+                " (each of its ranks would run the whole model); pass a one-rank pp_group, e.g. from "
+                "pipeline_groups(1, dp_size)"
+                if n_ranks == 1
+                else ""
+            )
+            raise ValueError(
+                f"{who}: schedule {schedule.name!r} has n_ranks={n_ranks} but {group} has {group_size} "
+                f"ranks{hint}; build the schedule for {group_size} ranks or pass a pp_group of {n_ranks}"
+            )
+        if rank is None:
+            rank = group_rank
+        elif rank != group_rank:
+            raise ValueError(
+                f"{who}: rank={rank} but this process is rank {group_rank} of {group} "
+                f"({group_size} ranks) running schedule {schedule.name!r}"
+            )
+    if not 0 <= rank < n_ranks:
+        raise ValueError(f"{who}: {rank=} outside the schedule's ranks 0..{n_ranks - 1}")
+    return rank

@@ -9,11 +9,16 @@ Bubble ratio (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): take th
 (its first action's start to its last action's end) as the cost; ``bubble_ratio = (cost - work) / cost`` where
 ``work`` is that rank's compute, ``m * (f + b + w)`` summed over the stages it holds.
 
-Memory model: an activation is allocated by ``F(s, i)`` and held until ``W(s, i)`` (or ``BW(s, i)``) frees it.
-This is the paper's ``M_B`` retained until the weight gradient; in reality ``B`` already frees part of it, so
-the count is an upper bound. ``peak_activations[r]`` is the largest number of such ``(stage, microbatch)``
-activations rank ``r`` holds at once. With several stages per rank each stage holds a fraction of the
-layers, so compare those counts scaled by the stage size.
+Memory model (the paper's Table 1): ``F(s, i)`` allocates one activation (``M_B``), ``B(s, i)`` frees all but
+what its ``W`` needs (``M_W = w_memory * M_B``), ``W(s, i)`` (or a ``BW``) frees the rest. ``w_memory = 1.0``
+(the default) keeps the whole activation until ``W``, an upper bound; the paper's transformer layer has
+``M_W / M_B = 32h / (34h + 5as)``, about 0.37-0.43. ``peak_memory[r]`` is rank ``r``'s peak in units of
+``M_B``; ``peak_activations[r]`` counts ``(stage, microbatch)`` activations held at once (``F`` done, ``W``/``BW``
+not), the same number when ``w_memory = 1``. With several stages per rank each stage holds a fraction of the
+layers, so compare those figures scaled by the stage size.
+
+Gradient-sync points cost nothing (``R``) or the stage's ``sync`` cost (``RF``); an overlapped ``F+B`` action
+costs ``f + b - overlap * min(f, b)``.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from typing import Any
 from ._coerce import as_cost, as_costs
 from ._engine import run_engine
 from ._perf import gc_paused
-from .actions import ActionKind, Schedule
+from .actions import ActionKind, OverlapAction, Schedule
 from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace
 
-__all__ = ["Costs", "SimulationResult", "simulate", "stage_costs"]
+__all__ = ["Costs", "SimulationResult", "check_w_memory", "simulate", "stage_costs"]
 
 Costs = float | Sequence[float]
 _stage_of, _kind_of = itemgetter(0), itemgetter(1)
@@ -51,6 +56,29 @@ def stage_costs(value: Costs, n_stages: int, what: str) -> tuple[float, ...]:
     if len(value) != n_stages:
         raise ValueError(f"{what} needs one cost per stage: got {len(value)} values for {n_stages=}")
     return value
+
+
+def check_w_memory(w_memory: float, where: str) -> float:
+    """``w_memory`` as a float in ``[0, 1]``, else ``ValueError`` naming ``where``."""
+    try:
+        value = float(w_memory)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: w_memory must be a number in [0, 1], got {w_memory!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{where}: w_memory (M_W / M_B) must be in [0, 1], got {w_memory=}")
+    return value
+
+
+def memory_deltas(w_memory: float) -> dict[ActionKind, float]:
+    """Change of a rank's activation memory (units of ``M_B``) per action kind under ``w_memory``."""
+    return {
+        ActionKind.F: 1.0,
+        ActionKind.B: w_memory - 1.0,
+        ActionKind.W: -w_memory,
+        ActionKind.BW: -1.0,
+        ActionKind.R: 0.0,
+        ActionKind.RF: 0.0,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +105,10 @@ class SimulationResult:
     """``(first start, last end)`` over each stage's actions."""
     peak_activations: tuple[int, ...]
     """Largest number of live activations (``F`` done, ``W``/``BW`` not) per rank."""
+    peak_memory: tuple[float, ...] = ()
+    """Peak activation memory per rank in units of ``M_B`` under :attr:`w_memory`."""
+    w_memory: float = 1.0
+    """``M_W / M_B`` used for :attr:`peak_memory`."""
 
     @property
     def rank_bubble_ratios(self) -> tuple[float, ...]:
@@ -95,18 +127,17 @@ class SimulationResult:
         for r, acts in enumerate(sched.rank_actions):
             for action, start, end in zip(acts, self.starts[r], self.ends[r]):
                 out.append(TimelineEvent.from_action(r, action, start, end))
-                if action.kind is not ActionKind.W:
-                    produced[(action.stage, action.microbatch, action.kind is ActionKind.F)] = end
+                for part in action.parts:
+                    if part.kind is not ActionKind.W and part.microbatch is not None:
+                        produced[(part.stage, part.microbatch, part.kind is ActionKind.F)] = end
         if self.comm > 0:
             for r, acts in enumerate(sched.rank_actions):
                 for action in acts:
-                    transfer = sched.recv_before(action)
-                    if transfer is None:
-                        continue
-                    key = (transfer.src_stage, transfer.microbatch, transfer.kind == "activation")
-                    sent = produced[key]
-                    label = f"recv {'act' if transfer.kind == 'activation' else 'grad'} {action.name}"
-                    out.append(TimelineEvent(r, label, sent, sent + self.comm, "comm"))
+                    for transfer in sched.receives(action):
+                        key = (transfer.src_stage, transfer.microbatch, transfer.kind == "activation")
+                        sent = produced[key]
+                        label = f"recv {'act' if transfer.kind == 'activation' else 'grad'} {action.name}"
+                        out.append(TimelineEvent(r, label, sent, sent + self.comm, "comm"))
         return out
 
     def to_ascii(self, **kwargs: Any) -> str:
@@ -131,6 +162,7 @@ class SimulationResult:
         return (
             f"{s.name}: {s.n_stages} stages on {s.n_ranks} ranks, {s.n_microbatches} microbatches, "
             f"bubble {100 * self.bubble_ratio:.1f}%, peak activations {max(self.peak_activations)}"
+            + (f" (memory {max(self.peak_memory):.2f} M_B)" if self.w_memory != 1.0 else "")
         )
 
 
@@ -141,6 +173,10 @@ def simulate(
     b: Costs = 1.0,
     w: Costs = 1.0,
     comm: float = 0.0,
+    *,
+    sync: Costs = 0.0,
+    overlap: float = 0.0,
+    w_memory: float = 1.0,
 ) -> SimulationResult:
     """Simulate ``schedule`` with forward / input-gradient / weight-gradient costs per stage.
 
@@ -150,6 +186,10 @@ def simulate(
         b: input-gradient (``B``) cost; a full ``BW`` costs ``b + w``.
         w: weight-gradient (``W``) cost.
         comm: latency of a point-to-point transfer between different ranks (same unit).
+        sync: exposed cost of a stage's gradient-sync finish point ``RF`` (0: reductions fully hidden).
+        overlap: fraction (0..1) of the shorter part of an overlapped ``F+B`` action hidden behind the
+            longer one (0: the parts cost their sum, as if run one after the other).
+        w_memory: ``M_W / M_B``, the fraction of an activation a ``B`` keeps for its ``W`` (memory report).
 
     Returns:
         A :class:`SimulationResult`.
@@ -161,20 +201,33 @@ def simulate(
     n = schedule.n_stages
     fc, bc, wc = stage_costs(f, n, "f"), stage_costs(b, n, "b"), stage_costs(w, n, "w")
     comm = as_cost("comm", comm)
+    sc = stage_costs(sync, n, "sync")
+    overlap = as_cost("overlap", overlap)
+    if overlap > 1.0:
+        raise ValueError(f"simulate: overlap must be a fraction in [0, 1], got {overlap=}")
+    w_memory = check_w_memory(w_memory, "simulate")
     from .validate import check_structure, validate
 
     check_structure(schedule)
-    run = run_engine(schedule, fc, bc, wc, float(comm))
+    run = run_engine(schedule, fc, bc, wc, float(comm), sync=sc, overlap=float(overlap))
     if not run.completed:
         validate(schedule)  # raises with the full explanation
         raise AssertionError(
             "unreachable: engine blocked on a schedule validate() accepts"
         )  # pragma: no cover
-    result, n_full_backward = _summarise(schedule, run.starts, run.ends, fc, bc, wc, float(comm))
+    result, n_units = _summarise(schedule, run.starts, run.ends, fc, bc, wc, float(comm), w_memory)
     # The engine refuses duplicates, so a complete schedule has exactly 3 n m units of work (BW counts 2).
-    if schedule.n_actions + n_full_backward != 3 * schedule.n_stages * schedule.n_microbatches:
+    if n_units != 3 * schedule.n_stages * schedule.n_microbatches:
         validate(schedule)  # a missing action: validate names it
+    elif n_units != _compute_units(schedule):
+        validate(schedule)  # sync points or overlapped pairs: validate checks their placement
     return result
+
+
+def _compute_units(schedule: Schedule) -> int:
+    """Units of compute if every entry were a plain compute action (BW counts 2), to spot special ones."""
+    kinds = [k for acts in schedule.rank_actions for k in map(_kind_of, acts)]
+    return len(kinds) + kinds.count(ActionKind.BW)
 
 
 def _summarise(
@@ -185,8 +238,9 @@ def _summarise(
     bc: tuple[float, ...],
     wc: tuple[float, ...],
     comm: float,
+    w_memory: float = 1.0,
 ) -> tuple[SimulationResult, int]:
-    """Spans, work, peaks; also returns the number of ``BW`` actions (for the completeness check)."""
+    """Spans, work, peaks; also returns the units of compute seen (``BW`` counts 2; completeness check)."""
     m = schedule.n_microbatches
     n_ranks = schedule.n_ranks
     rank_spans = tuple((st[0], en[-1]) if st else (0.0, 0.0) for st, en in zip(starts, ends))
@@ -194,20 +248,30 @@ def _summarise(
     for s, r in enumerate(schedule.stage_to_rank):
         rank_work[r] += m * (fc[s] + bc[s] + wc[s])
     # Live activations: +1 at F, -1 at W or BW; the per-rank peak is the running sum's maximum.
-    delta = {ActionKind.F: 1, ActionKind.B: 0, ActionKind.W: -1, ActionKind.BW: -1}.__getitem__
-    peaks = []
-    n_full_backward = 0
+    count = {ActionKind.F: 1, ActionKind.B: 0, ActionKind.W: -1, ActionKind.BW: -1, ActionKind.R: 0}
+    count[ActionKind.RF] = 0
+    delta = count.__getitem__
+    mem = memory_deltas(w_memory).__getitem__
+    units = {ActionKind.BW: 2, ActionKind.R: 0, ActionKind.RF: 0}
+    peaks, mem_peaks = [], []
+    n_units = 0
     stage_spans: list[tuple[float, float]] = [(0.0, 0.0)] * schedule.n_stages
     for r, acts in enumerate(schedule.rank_actions):
-        kinds = list(map(_kind_of, acts))
-        n_full_backward += kinds.count(ActionKind.BW)
+        plain = all(type(a) is not OverlapAction for a in acts)
+        # Overlapped pairs count as their two parts (F first: the conservative order for the peak).
+        flat = acts if plain else [p for a in acts for p in a.parts]
+        starts_r = starts[r] if plain else [t for a, t in zip(acts, starts[r]) for _ in a.parts]
+        ends_r = ends[r] if plain else [t for a, t in zip(acts, ends[r]) for _ in a.parts]
+        kinds = list(map(_kind_of, flat))
+        n_units += sum(units.get(k, 1) for k in kinds)
         peaks.append(max(0, *accumulate(map(delta, kinds))) if kinds else 0)
-        stages = list(map(_stage_of, acts))
+        mem_peaks.append(max(0.0, *accumulate(map(mem, kinds))) if kinds else 0.0)
+        stages = list(map(_stage_of, flat))
         for s in schedule.stages_of(r):
             if s in stages:
                 first = stages.index(s)
                 last = len(stages) - 1 - stages[::-1].index(s)
-                stage_spans[s] = (starts[r][first], ends[r][last])
+                stage_spans[s] = (starts_r[first], ends_r[last])
     span_lengths = [hi - lo for lo, hi in rank_spans]
     critical = max(range(n_ranks), key=span_lengths.__getitem__)
     cost = span_lengths[critical]
@@ -224,5 +288,7 @@ def _summarise(
         rank_work=tuple(rank_work),
         stage_spans=tuple(stage_spans),
         peak_activations=tuple(peaks),
+        peak_memory=tuple(round(x, 12) for x in mem_peaks),
+        w_memory=w_memory,
     )
-    return result, n_full_backward
+    return result, n_units

@@ -3,8 +3,8 @@
 The input is deliberately generic: a list of :class:`TimelineEvent` ``(rank, name, start, end, kind, ...)``.
 The simulator produces them from a schedule (:meth:`SimulationResult.events`) and a runtime can produce them
 from measured timestamps (:meth:`TimelineEvent.from_action`), so simulated and measured runs are drawn by the
-same code. Kinds ``"F"``, ``"B"``, ``"W"``, ``"BW"`` are compute; ``"comm"`` (or any other kind) is drawn on a
-thin side track. matplotlib is imported only inside :func:`save_png`.
+same code. Kinds ``"F"``, ``"B"``, ``"W"``, ``"BW"`` and ``"FB"`` (an overlapped forward+backward pair) are compute;
+``"comm"``, the gradient-sync points ``"R"``/``"RF"`` (or any other kind) are drawn on a thin side track. matplotlib is imported only inside :func:`save_png`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .actions import Action
+from .actions import Action, OverlapAction
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -30,11 +30,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_KINDS = ("F", "B", "W", "BW")
+COMPUTE_KINDS = ("F", "B", "W", "BW", "FB")
 """Event kinds drawn as compute; everything else is drawn on the side track."""
 
 # Paper-like palette: forward blue, input gradient teal, weight gradient green, full backward orange.
-_COLOURS = {"F": "#4f7fd9", "B": "#33b5b5", "W": "#7cc456", "BW": "#ee9a45"}
+_COLOURS = {"F": "#4f7fd9", "B": "#33b5b5", "W": "#7cc456", "BW": "#ee9a45", "FB": "#a77bd6"}
 _OTHER_COLOUR = "#9a9a9a"
 
 
@@ -55,10 +55,12 @@ class TimelineEvent(NamedTuple):
     microbatch: int | None = None
 
     @classmethod
-    def from_action(cls, rank: int, action: Action, start: float, end: float) -> TimelineEvent:
-        """Event for ``action`` run on ``rank`` over ``[start, end)``."""
-        stage, kind, mb = action
-        return cls(rank, action.name, start, end, kind.value, stage, mb)
+    def from_action(
+        cls, rank: int, action: Action | OverlapAction, start: float, end: float
+    ) -> TimelineEvent:
+        """Event for ``action`` run on ``rank`` over ``[start, end)`` (an overlapped pair: kind ``"FB"``, stage
+        of its forward part, no microbatch)."""
+        return cls(rank, action.name, start, end, action.kind.value, action.stage, action.microbatch)
 
     @property
     def is_compute(self) -> bool:

@@ -8,7 +8,8 @@ Checks, in order (later ones only run when earlier ones pass):
 
 1. shape: each action's stage exists and runs on that rank; microbatch indices are in range;
 2. completeness: for every ``(stage, microbatch)``, ``F`` exactly once and either ``B`` and ``W`` exactly once
-   or ``BW`` exactly once;
+   or ``BW`` exactly once (parts of overlapped ``F+B`` actions count); per stage at most one gradient-sync
+   point of each kind, ``R`` after the stage's last ``F`` and ``RF`` after all its compute and its ``R``;
 3. order and deadlock: the schedule runs to the end under the blocking model of
    :mod:`splitgrad.pipeline.simulate` (receives block, sends are asynchronous). This covers ``F`` before
    ``B`` before ``W``, stage order across ranks, and cycles of ranks waiting on each other;
@@ -22,7 +23,7 @@ from operator import itemgetter
 
 from ._engine import run_engine
 from ._perf import gc_paused
-from .actions import Action, ActionKind, Schedule, ScheduleError
+from .actions import COMPUTE_KINDS, Action, ActionKind, OverlapAction, Schedule, ScheduleError
 
 __all__ = ["channel_order_problems", "check_structure", "find_problems", "render_listing", "validate"]
 
@@ -33,7 +34,7 @@ _stage_of, _kind_of, _microbatch_of = itemgetter(0), itemgetter(1), itemgetter(2
 def _structure_ok(schedule: Schedule) -> bool:
     """Fast path of :func:`_structure_problems`: C-level set/map passes instead of a message per action."""
     m = schedule.n_microbatches
-    kinds = set(ActionKind)
+    kinds = COMPUTE_KINDS
     for r, acts in enumerate(schedule.rank_actions):
         if not acts:
             continue
@@ -57,19 +58,43 @@ def _structure_problems(schedule: Schedule) -> list[str]:
     s2r = schedule.stage_to_rank
     problems = []
     for r, acts in enumerate(schedule.rank_actions):
-        for pos, action in enumerate(acts):
-            if not isinstance(action, Action) or not isinstance(action.kind, ActionKind):
-                problems.append(f"rank {r} position {pos}: {action!r} is not an Action")
-                continue
-            stage, _, mb = action
-            if not 0 <= stage < n:
-                problems.append(f"rank {r} position {pos}: {action} names stage {stage} outside 0..{n - 1}")
-            elif s2r[stage] != r:
-                problems.append(
-                    f"rank {r} position {pos}: {action} belongs to rank {s2r[stage]} (stage {stage})"
-                )
-            if not 0 <= mb < m:
-                problems.append(f"rank {r} position {pos}: {action} names microbatch {mb} outside 0..{m - 1}")
+        for pos, whole in enumerate(acts):
+            if isinstance(whole, OverlapAction):
+                parts = whole.parts
+                if not all(isinstance(a, Action) for a in parts) or (
+                    parts[0].kind is not ActionKind.F or parts[1].kind not in (ActionKind.B, ActionKind.BW)
+                ):
+                    problems.append(
+                        f"rank {r} position {pos}: {whole!r} must overlap an F action with a B or BW action"
+                    )
+                    continue
+            else:
+                parts = (whole,)
+            for action in parts:
+                if not isinstance(action, Action) or not isinstance(action.kind, ActionKind):
+                    problems.append(f"rank {r} position {pos}: {action!r} is not an Action")
+                    continue
+                stage, kind, mb = action
+                if kind is ActionKind.FB:
+                    problems.append(f"rank {r} position {pos}: {action!r}: kind FB needs an OverlapAction")
+                    continue
+                if not isinstance(stage, int) or not 0 <= stage < n:
+                    problems.append(
+                        f"rank {r} position {pos}: {action} names stage {stage} outside 0..{n - 1}"
+                    )
+                elif s2r[stage] != r:
+                    problems.append(
+                        f"rank {r} position {pos}: {action} belongs to rank {s2r[stage]} (stage {stage})"
+                    )
+                if kind in COMPUTE_KINDS:
+                    if not isinstance(mb, int) or not 0 <= mb < m:
+                        problems.append(
+                            f"rank {r} position {pos}: {action} names microbatch {mb} outside 0..{m - 1}"
+                        )
+                elif mb is not None:
+                    problems.append(
+                        f"rank {r} position {pos}: gradient-sync point {action!r} takes no microbatch (got {mb})"
+                    )
     return problems
 
 
@@ -88,12 +113,14 @@ def _completeness_problems(schedule: Schedule) -> list[str]:
     counts = {kind: [0] * size for kind in (F, B, W, BW)}
     cf, cb, cw, cbw = counts[F], counts[B], counts[W], counts[BW]
     for acts in schedule.rank_actions:
-        for s, k, i in acts:
-            counts[k][s * m + i] += 1
+        for whole in acts:
+            for s, k, i in whole.parts:
+                if i is not None:
+                    counts[k][s * m + i] += 1
     backward_ok = {(1, 1, 0), (0, 0, 1)}  # (B, W, BW) counts: split once, or full once
     if cf.count(1) == size and all(t in backward_ok for t in zip(cb, cw, cbw)):
         return []
-    problems = []
+    problems: list[str] = []
     for kind, cnt in counts.items():
         problems += [
             f"{Action(idx // m, kind, idx % m)} appears {c} times" for idx, c in enumerate(cnt) if c > 1
@@ -115,13 +142,56 @@ def _completeness_problems(schedule: Schedule) -> list[str]:
     return problems
 
 
+def _sync_problems(schedule: Schedule) -> list[str]:
+    """Each stage has at most one ``R`` (after its last ``F``) and one ``RF`` (after its compute and ``R``)."""
+    problems = []
+    for r, acts in enumerate(schedule.rank_actions):
+        marks: dict[tuple[int, ActionKind], list[int]] = {}
+        last_f: dict[int, int] = {}
+        last_compute: dict[int, int] = {}
+        for pos, whole in enumerate(acts):
+            for s, k, _ in whole.parts:
+                if k is ActionKind.R or k is ActionKind.RF:
+                    marks.setdefault((s, k), []).append(pos)
+                    continue
+                last_compute[s] = pos
+                if k is ActionKind.F:
+                    last_f[s] = pos
+        for (s, k), where in sorted(marks.items()):
+            name = Action(s, k, None).name
+            if len(where) > 1:
+                problems.append(f"rank {r}: {name} appears {len(where)} times (positions {where})")
+            if k is ActionKind.R and last_f.get(s, -1) > where[0]:
+                problems.append(
+                    f"rank {r}: {name} (position {where[0]}) comes before stage {s}'s last forward (position "
+                    f"{last_f[s]}); reductions may only start once every forward has counted its gradients"
+                )
+            if k is ActionKind.RF:
+                if last_compute.get(s, -1) > where[-1]:
+                    problems.append(
+                        f"rank {r}: {name} (position {where[-1]}) comes before stage {s}'s last compute action "
+                        f"(position {last_compute[s]}); a gradient would arrive after its reduction finished"
+                    )
+                opened = marks.get((s, ActionKind.R))
+                if opened and opened[-1] > where[-1]:
+                    problems.append(
+                        f"rank {r}: {name} (position {where[-1]}) comes before {s}R ({opened[-1]})"
+                    )
+    return problems
+
+
 def _deadlock_problems(schedule: Schedule) -> tuple[list[str], dict[int, int]]:
     n = schedule.n_stages
     zeros = (0.0,) * n
     run = run_engine(schedule, zeros, zeros, zeros, 0.0)
     if run.completed:
         return [], {}
-    positions = {a: (r, p) for r, acts in enumerate(schedule.rank_actions) for p, a in enumerate(acts)}
+    positions = {
+        a: (r, p)
+        for r, acts in enumerate(schedule.rank_actions)
+        for p, whole in enumerate(acts)
+        for a in whole.parts
+    }
     blocked_at = {r: len(run.starts[r]) for r, _, _ in run.blocked}
     problems = []
     for r, action, missing in run.blocked:
@@ -163,13 +233,11 @@ def channel_order_problems(schedule: Schedule) -> list[str]:
     received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for acts in schedule.rank_actions:
         for action in acts:
-            out = schedule.send_after(action)
-            if out is not None:
+            for out in schedule.sends(action):
                 sent.setdefault((out.src_rank, out.dst_rank), []).append(
                     (out.kind, out.src_stage, out.microbatch)
                 )
-            inc = schedule.recv_before(action)
-            if inc is not None:
+            for inc in schedule.receives(action):
                 received.setdefault((inc.src_rank, inc.dst_rank), []).append(
                     (inc.kind, inc.src_stage, inc.microbatch)
                 )
@@ -192,7 +260,7 @@ def find_problems(schedule: Schedule, *, ordered_channels: bool = False) -> list
     problems = _structure_problems(schedule)
     if problems:
         return problems
-    problems = _completeness_problems(schedule)
+    problems = _completeness_problems(schedule) + _sync_problems(schedule)
     if problems:
         return problems
     problems, _ = _deadlock_problems(schedule)
@@ -215,7 +283,7 @@ def validate(schedule: Schedule, *, ordered_channels: bool = False) -> None:
     problems = _structure_problems(schedule)
     if problems:
         raise ScheduleError(_format(schedule, "malformed", problems, {}))
-    problems = _completeness_problems(schedule)
+    problems = _completeness_problems(schedule) + _sync_problems(schedule)
     if problems:
         raise ScheduleError(_format(schedule, "incomplete", problems, {}))
     problems, blocked_at = _deadlock_problems(schedule)
@@ -233,7 +301,7 @@ def render_listing(schedule: Schedule, marks: dict[int, int] | None = None, *, w
     marks = marks or {}
     lines = []
     for r, acts in enumerate(schedule.rank_actions):
-        names = [a.name if isinstance(a, Action) else repr(a) for a in acts]
+        names = [a.name if isinstance(a, Action | OverlapAction) else repr(a) for a in acts]
         mark = marks.get(r)
         if mark is not None and mark < len(names):
             names[mark] = f"[{names[mark]}]"

@@ -2,9 +2,14 @@
 
 :func:`spawn` starts ``world_size`` fresh processes (the ``spawn`` start method: nothing inherited but
 ``sys.path``), initialises a process group in each over a private :class:`torch.distributed.FileStore` (no
-port to race for), calls ``fn(rank, world_size, *args)``, and returns the per-rank return values. It never
-hangs: a rank that raises is reported with its rank and remote traceback, the other ranks are given a
-moment to report and then killed; ranks still running at ``timeout`` are killed and named.
+port to race for), calls ``fn(rank, world_size, *args)``, destroys the process group, and returns the
+per-rank return values. It never hangs: a rank that raises is reported with its rank and remote traceback,
+the other ranks are given a moment to report and then killed; ranks still running at ``timeout`` are killed
+and named.
+
+A run succeeds only if every rank process also *exits* with code 0: a crash while tearing down (a process
+group destroyed during interpreter shutdown aborts with SIGABRT) turns a finished job into a failed one under
+torchrun, so the harness fails the run too, naming the rank and its exit code or signal.
 
 Each spawn costs process start-up and a torch import (seconds): batch many checks into one ``fn``.
 ``fn`` must be importable by name (a module-level function), its arguments and return value picklable.
@@ -17,6 +22,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -78,6 +84,7 @@ def spawn(
     pg_timeout: float = 60.0,
     threads: int = 1,
     grace: float = 3.0,
+    exit_timeout: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return their results.
 
@@ -91,18 +98,20 @@ def spawn(
         pg_timeout: the process group's collective timeout, seconds.
         threads: ``torch.set_num_threads`` in each rank (ranks share the machine's cores).
         grace: after the first failure, seconds the other ranks get to report before being killed.
+        exit_timeout: after every rank reported its result, seconds they get to tear down and exit.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        SpawnError: a rank raised or died; the message names it and carries its remote traceback.
+        SpawnError: a rank raised or died, or reported its result and then exited with a non-zero code, a
+            signal, or not within ``exit_timeout``; the message names it (and carries its remote traceback).
         SpawnTimeoutError: ranks did not finish in ``timeout``; they were killed.
     """
     if world_size < 1:
         raise ValueError(f"spawn needs world_size >= 1, got {world_size=}")
-    if timeout <= 0 or pg_timeout <= 0:
-        raise ValueError(f"spawn timeouts must be positive, got {timeout=} {pg_timeout=}")
+    if timeout <= 0 or pg_timeout <= 0 or exit_timeout <= 0:
+        raise ValueError(f"spawn timeouts must be positive, got {timeout=} {pg_timeout=} {exit_timeout=}")
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     workdir = tempfile.mkdtemp(prefix="splitgrad-spawn-")
@@ -116,23 +125,51 @@ def spawn(
         )
         for rank in range(world_size)
     ]
-    finished = False
     try:
         for proc in procs:
             proc.start()
         results = _collect(procs, results_q, timeout=timeout, grace=grace)
-        finished = True
+        _check_exits(procs, exit_timeout)
         return results
     finally:
-        # After success the ranks are only tearing down their process group: let them exit on their own.
-        deadline = time.monotonic() + (grace if finished else 0.0)
         for proc in procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
         results_q.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _check_exits(procs: list, exit_timeout: float) -> None:
+    """Every rank reported success: wait for each to exit and fail the run unless all exit with code 0."""
+    deadline = time.monotonic() + exit_timeout
+    failures = []
+    for rank, proc in enumerate(procs):
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.exitcode == 0:
+            continue
+        if proc.exitcode is None:
+            message = f"did not exit within {exit_timeout:g} s after reporting its result (killed)"
+        else:
+            message = f"{_describe_exit(proc.exitcode)} after reporting its result"
+        failures.append(RankFailure(rank=rank, exc_type="exit", message=message, traceback=""))
+    if failures:
+        raise SpawnError(
+            failures,
+            "every rank returned a result, but not every rank process exited cleanly (a crash while tearing "
+            "down, e.g. a process group destroyed during interpreter shutdown, fails a torchrun job too)",
+        )
+
+
+def _describe_exit(exitcode: int) -> str:
+    """``"exit code 3"`` or ``"killed by signal SIGABRT (6)"`` (multiprocessing reports signals negated)."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "unknown signal"
+    return f"killed by signal {name} ({-exitcode})"
 
 
 def _collect(procs: list, results_q: Any, *, timeout: float, grace: float) -> list[Any]:
@@ -162,7 +199,10 @@ def _collect(procs: list, results_q: Any, *, timeout: float, grace: float) -> li
                     reported.add(rank)
                     failures.append(
                         RankFailure(
-                            rank=rank, exc_type="exit", message=f"exit code {proc.exitcode}", traceback=""
+                            rank=rank,
+                            exc_type="exit",
+                            message=f"died without reporting: {_describe_exit(proc.exitcode)}",
+                            traceback="",
                         )
                     )
             if failures and failed_at is None:
@@ -218,6 +258,11 @@ def _rank_main(
         # Plain pickle, not the queue's: torch's queue reducers would share tensor storage with a process
         # that is about to exit.
         message = (rank, "ok", pickle.dumps(result))
+        del result  # objects fn returned must not hold the process group past its destruction
+        # Torn down before reporting, so an error here fails the run; a crash later, at interpreter exit, is
+        # caught by the parent from the exit code. (Not after a failure: peers may be stuck in a collective.)
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
         kind = type(exc)
         message = (
@@ -228,5 +273,3 @@ def _rank_main(
     results_q.put(message)
     results_q.close()
     results_q.join_thread()
-    if message[1] == "ok" and dist.is_initialized():
-        dist.destroy_process_group()

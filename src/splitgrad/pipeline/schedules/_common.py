@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..actions import Action, ActionKind, Schedule
+from ..actions import Action, ActionKind, OverlapAction, Schedule
 
 # Actions are built in bulk (p = 64, m = 512 writes ~200k); tuple.__new__ skips NamedTuple's Python-level __new__.
 _new = tuple.__new__
@@ -88,6 +88,12 @@ class RankProgram:
                 return True
         return False
 
+    def overlap_last_two(self) -> None:
+        """Fuse the last two actions written (an ``F`` then a ``B``/``BW``) into one overlapped action."""
+        backward = self.actions.pop()
+        forward = self.actions.pop()
+        self.actions.append(OverlapAction(forward, backward))
+
     def drain(self) -> None:
         """Run every pending ``W``, oldest first."""
         self.actions.extend(self.pending)
@@ -110,7 +116,17 @@ def finish(
         name=name,
         n_microbatches=n_microbatches,
         stage_to_rank=stage_to_rank,
-        rank_actions=tuple(
-            tuple(a for a in prog.actions if a.microbatch < n_microbatches) for prog in programs
-        ),
+        rank_actions=tuple(tuple(_drop_phantoms(prog.actions, n_microbatches)) for prog in programs),
     )
+
+
+def _drop_phantoms(actions: list, n_microbatches: int) -> list:
+    """``actions`` without parts of microbatches ``>= n_microbatches`` (a pair that loses one part is unfused)."""
+    out = []
+    for a in actions:
+        if type(a) is OverlapAction:
+            kept = [p for p in a.parts if p.microbatch < n_microbatches]
+            out.append(a if len(kept) == 2 else kept[0]) if kept else None
+        elif a.microbatch < n_microbatches:
+            out.append(a)
+    return out

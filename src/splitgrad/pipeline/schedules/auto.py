@@ -11,6 +11,11 @@ free, picks its next action from what it could run *now* in a list-scheduling si
   before the next input can arrive (``fill="fit"``);
 * otherwise the rank waits.
 
+Memory follows the paper's model (Table 1): ``F`` holds one activation ``M_B``, ``B`` frees all but
+``M_W = w_memory * M_B``, ``W`` the rest; ``memory_limit`` is in units of ``M_B``. With ``w_memory < 1`` a
+limit of ``2p`` leaves room for deeper warm-ups; the ``zb-2p-warmup`` candidates use it but stop a rank's
+warm-up where a forward would hold up the first input gradient on its way back up.
+
 :func:`zb_auto` runs this for a few warm-up caps, fill and alternation rules, adds the hand-written 1F1B
 (split), ZB-H1 and ZB-H2 when they fit the memory limit, simulates every candidate with the given costs and
 returns the best (shortest longest-rank span, then makespan, then lower peak memory). Because ZB-H1 is among
@@ -26,10 +31,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .._coerce import as_counts
+from .._coerce import as_costs
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
-from ..simulate import Costs, SimulationResult, simulate, stage_costs
+from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
 from ._common import check_positive_int, loop_mapping
 from .gpipe_1f1b import one_f_one_b
 from .zero_bubble import zb_h1, zb_h2
@@ -41,16 +46,23 @@ logger = logging.getLogger(__name__)
 _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 
 
-def _memory_limits(memory_limit: int | Sequence[int] | None, p: int) -> tuple[int, ...]:
+_EPS = 1e-9
+
+
+def _memory_limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
+    """Per-rank limits in units of one stage activation ``M_B`` (default ``p``: 1F1B's peak)."""
     if memory_limit is None:
-        return (p,) * p
-    value = as_counts("zb-auto: memory_limit", memory_limit)  # numpy / integral-float counts become ints
-    limits = (value,) * p if isinstance(value, int) else value
-    if len(limits) != p:
+        return (float(p),) * p
+    # Real numbers (numpy scalars too): under the paper's memory model (w_memory < 1) fractional limits mean
+    # something. as_costs refuses bools, NaN/inf and negatives with the argument's name.
+    value = as_costs("zb-auto: memory_limit", memory_limit)
+    limits = (value,) * p if isinstance(value, float) else value
+    if len(limits) != p or any(x < 1 for x in limits):
         raise ValueError(
-            f"zb-auto: memory_limit must be an int >= 1 or one per rank ({p} ranks), got {memory_limit=}"
+            f"zb-auto: memory_limit must be a number >= 1 (in activations M_B) or one per rank ({p} ranks), got "
+            f"{memory_limit=}"
         )
-    return limits
+    return tuple(float(x) for x in limits)
 
 
 @gc_paused()
@@ -62,10 +74,12 @@ def greedy_schedule(
     b: Costs = 1.0,
     w: Costs = 1.0,
     comm: float = 0.0,
-    memory_limit: int | Sequence[int] | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
     warmup: Sequence[int] | None = None,
     fill: str = "eager",
     alternate: bool = True,
+    warmup_deadline: float | None = None,
 ) -> Schedule:
     """One greedy list-scheduling pass (see the module docstring); one stage per rank.
 
@@ -74,11 +88,17 @@ def greedy_schedule(
         n_microbatches: microbatches.
         f, b, w: per-stage costs (one value or one per stage).
         comm: transfer latency between ranks.
-        memory_limit: most activations a rank may hold (``F`` done, ``W`` not yet); default ``n_stages``.
+        memory_limit: most activation memory a rank may hold, in units of one activation ``M_B`` (``F``
+            adds 1, ``B`` frees ``1 - w_memory``, ``W`` the rest); default ``n_stages``.
+        w_memory: ``M_W / M_B``, what a ``B`` keeps for its ``W`` (see :func:`splitgrad.pipeline.simulate`).
         warmup: per-rank cap on forwards before the rank's first ``B`` (default: the memory limit).
         fill: ``"eager"`` runs a pending ``W`` whenever nothing else is ready; ``"fit"`` only when it ends
             before the next input can arrive.
         alternate: when both an ``F`` and a ``B`` are ready, alternate them (else ``B`` always first).
+        warmup_deadline: also stop a rank's warm-up forwards (before its first ``B``) once one would end
+            later than ``warmup_deadline`` forward costs after the earliest moment its first input gradient
+            can arrive (forward chain down, backward chain up), so warm-up never delays that gradient on
+            its way back (rank 0 keeps its warm-up: nothing waits for it). None: no such stop.
 
     Returns:
         A valid schedule whose peak activations respect ``memory_limit``.
@@ -89,14 +109,18 @@ def greedy_schedule(
     p, m = n_stages, n_microbatches
     fc, bc, wc = stage_costs(f, p, "f"), stage_costs(b, p, "b"), stage_costs(w, p, "w")
     limits = _memory_limits(memory_limit, p)
-    caps = tuple(limits) if warmup is None else tuple(warmup)
+    r_w = check_w_memory(w_memory, "zb-auto")
+    caps = tuple(int(x) for x in limits) if warmup is None else tuple(warmup)
     if len(caps) != p or any(c < 1 for c in caps):
         raise ValueError(f"zb-auto: warmup must give one cap >= 1 per rank, got {warmup=}")
 
+    # Earliest arrival of each rank's first input gradient: microbatch 0 down every stage and back up.
+    down = sum(fc) + (p - 1) * comm
+    first_grad = [down + sum(bc[s + 1 :]) + (p - 1 - s) * comm for s in range(p)]
     fend = [[math.nan] * m for _ in range(p)]
     bend = [[math.nan] * m for _ in range(p)]
     nf, nb = [0] * p, [0] * p
-    live = [0] * p
+    live = [0.0] * p  # activation memory held, in M_B
     free = [0.0] * p
     last_was_f = [False] * p
     pending: list[deque[int]] = [deque() for _ in range(p)]
@@ -138,7 +162,16 @@ def greedy_schedule(
         if ver != version[s]:
             continue
         t = max(now, free[s])
-        f_allowed = nf[s] < m and live[s] < limits[s] and (nb[s] > 0 or nf[s] < caps[s])
+        f_allowed = nf[s] < m and live[s] + 1.0 <= limits[s] + _EPS and (nb[s] > 0 or nf[s] < caps[s])
+        if (
+            f_allowed
+            and warmup_deadline is not None
+            and s > 0
+            and nb[s] == 0
+            and nf[s] > 0
+            and t + fc[s] > first_grad[s] + warmup_deadline * fc[s]
+        ):
+            f_allowed = False
         b_allowed = nb[s] < nf[s]
         if not (f_allowed or b_allowed or pending[s]):
             if nf[s] < m or nb[s] < m:  # blocked by memory with nothing to free: wait for a B
@@ -168,7 +201,7 @@ def greedy_schedule(
             end = t + fc[s]
             fend[s][i] = end
             nf[s] += 1
-            live[s] += 1
+            live[s] += 1.0
             last_was_f[s] = True
             neighbour = s + 1
         elif choice is _B:
@@ -176,13 +209,14 @@ def greedy_schedule(
             end = t + bc[s]
             bend[s][i] = end
             nb[s] += 1
+            live[s] -= 1.0 - r_w
             pending[s].append(i)
             last_was_f[s] = False
             neighbour = s - 1
         else:
             i = pending[s].popleft()
             end = t + wc[s]
-            live[s] -= 1
+            live[s] -= r_w
             neighbour = -1
         actions[s].append(Action(s, choice, i))
         free[s] = end
@@ -216,7 +250,8 @@ def auto_candidates(
     b: Costs = 1.0,
     w: Costs = 1.0,
     comm: float = 0.0,
-    memory_limit: int | Sequence[int] | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
 ) -> list[AutoCandidate]:
     """Every candidate zb-auto weighs (greedy variants and fitting hand-written schedules), best first."""
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
@@ -225,14 +260,14 @@ def auto_candidates(
     candidates: list[AutoCandidate] = []
 
     def consider(label: str, schedule: Schedule) -> None:
-        result = simulate(schedule, f, b, w, comm)
-        if all(peak <= cap for peak, cap in zip(result.peak_activations, limits)):
+        result = simulate(schedule, f, b, w, comm, w_memory=w_memory)
+        if all(peak <= cap + _EPS for peak, cap in zip(result.peak_memory, limits)):
             candidates.append(AutoCandidate(label, schedule, result))
 
     warmups = {
-        "1f1b-warmup": tuple(min(limits[s], p - s) for s in range(p)),
-        "zb-h2-warmup": tuple(min(limits[s], 2 * (p - s) - 1) for s in range(p)),
-        "max-warmup": limits,
+        "1f1b-warmup": tuple(min(int(limits[s]), p - s) for s in range(p)),
+        "zb-h2-warmup": tuple(min(int(limits[s]), 2 * (p - s) - 1) for s in range(p)),
+        "max-warmup": tuple(int(x) for x in limits),
     }
     for wname, caps in warmups.items():
         for fill in ("eager", "fit"):
@@ -248,11 +283,31 @@ def auto_candidates(
                         w=w,
                         comm=comm,
                         memory_limit=limits,
+                        w_memory=w_memory,
                         warmup=caps,
                         fill=fill,
                         alternate=alternate,
                     ),
                 )
+    # With room for more than 2p - 1 activations (the paper's ZB-2p under its memory model), warm up one
+    # forward deeper but stop where a forward would hold up the first input gradient on its way back.
+    deep = tuple(min(int(limits[s]), 2 * (p - s)) for s in range(p))
+    for deadline in (0.0, 0.5) if max(limits) >= 2 * p - 1 else ():
+        consider(
+            f"greedy(zb-2p-warmup, deadline={deadline})",
+            greedy_schedule(
+                p,
+                m,
+                f=f,
+                b=b,
+                w=w,
+                comm=comm,
+                memory_limit=limits,
+                w_memory=w_memory,
+                warmup=deep,
+                warmup_deadline=deadline,
+            ),
+        )
     for label, builder in (("1f1b-split", None), ("zb-h1", zb_h1), ("zb-h2", zb_h2)):
         base = one_f_one_b(p, m, split_backward=True) if builder is None else builder(p, m)
         consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
@@ -273,12 +328,13 @@ def zb_auto(
     b: Costs = 1.0,
     w: Costs = 1.0,
     comm: float = 0.0,
-    memory_limit: int | Sequence[int] | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
 ) -> Schedule:
     """Best schedule for the given costs within ``memory_limit`` activations per rank (default ``n_stages``,
     1F1B's and ZB-H1's peak). See :func:`auto_candidates` for everything it compares."""
     candidates = auto_candidates(
-        n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit
+        n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit, w_memory=w_memory
     )
     best = candidates[0]
     logger.info("zb-auto picked %s (bubble %.4f)", best.label, best.result.bubble_ratio)

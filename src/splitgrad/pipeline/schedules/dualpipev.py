@@ -1,11 +1,12 @@
 """DualPipeV (DeepSeek-V3 report; the "cut-in-half" DualPipe): a V of two stages per rank.
 
 Same placement as ZB-V. In the main phase each rank pairs the forward of one stage with the full backward of
-the other; DualPipe runs such a pair as one overlapped chunk so that one's communication hides behind the
-other's compute. Here a pair is written as two consecutive actions (``F`` then ``BW``) — a runtime may fuse
-neighbours — so the simulator, which runs one action at a time, does not credit the overlap. The start and
-the tail use split backwards with a first-in-first-out queue of pending weight gradients, as DualPipe's
-``WeightGradStore`` does.
+the other; DualPipe runs such a pair as one overlapped chunk (``overlapped_forward_backward``) so that one's
+communication hides behind the other's compute. Here a pair is one
+:class:`~splitgrad.pipeline.OverlapAction` (``"0F3+3BW1"``): the simulator credits ``overlap`` of its shorter
+part (default none), and a runtime hands it to the stage's ``overlapped_forward_backward`` or runs the parts in
+order. ``overlap=False`` writes the pairs as two consecutive actions instead. The start and the tail use split
+backwards with a first-in-first-out queue of pending weight gradients, as DualPipe's ``WeightGradStore`` does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ __all__ = ["dualpipev"]
 
 
 @gc_paused()
-def dualpipev(n_stages: int, n_microbatches: int) -> Schedule:
+def dualpipev(n_stages: int, n_microbatches: int, *, overlap: bool = True) -> Schedule:
     """DualPipeV over ``n_stages / 2`` ranks; needs ``n_microbatches >= n_stages``.
+
+    Args:
+        n_stages: model stages (even).
+        n_microbatches: microbatches per step.
+        overlap: write each main-phase forward/backward pair as one overlapped ``F+BW`` action.
 
     Raises:
         ValueError: ``n_stages`` odd, or fewer microbatches than stages.
@@ -54,13 +60,19 @@ def dualpipev(n_stages: int, n_microbatches: int) -> Schedule:
         for _ in range(m - 2 * p + rank + 1):
             prog.forward(down)
             prog.full_backward(up)
+            if overlap:
+                prog.overlap_last_two()
             prog.forward(up)
             prog.full_backward(down)
+            if overlap:
+                prog.overlap_last_two()
         # Step 5: nB1F1B0
         for _ in range(p - rank - 1):
             prog.full_backward(up)
             prog.forward(up)
             prog.full_backward(down)
+            if overlap:
+                prog.overlap_last_two()
         # Step 6: nB1B0, the second half with split backwards (weight gradients queued)
         split = False
         for i in range(rank + 1):

@@ -65,7 +65,9 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
         n_stages: total model stages.
         n_microbatches: microbatches per step.
         **options: family options: ``split_backward`` (gpipe, 1f1b, interleaved-1f1b), ``stages_per_rank``
-            (interleaved-1f1b), ``f``/``b``/``w``/``comm``/``memory_limit`` (zb-auto).
+            (interleaved-1f1b), ``overlap`` (dualpipev: overlapped ``F+BW`` pairs, default True),
+            ``f``/``b``/``w``/``comm``/``memory_limit``/``w_memory`` (zb-auto; ``memory_limit`` in units of one
+            activation ``M_B``, ``w_memory = M_W / M_B`` the paper's memory model).
 
     Counts (``n_stages``, ``n_microbatches``, ``stages_per_rank``, ``memory_limit``, ``warmup``) may be any
     integral number (``8``, ``numpy.int64(8)``, ``8.0``); costs any finite real number (``numpy.float32``).

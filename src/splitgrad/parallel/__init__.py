@@ -11,12 +11,14 @@ from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
+from .fsdp_stage import FSDPStage
 
 __all__ = [
     "Bucket",
     "DDPConfig",
     "DistributedDataParallel",
     "FSDPReductionHandle",
+    "FSDPStage",
     "GradBuffer",
     "defer_fsdp_reduction",
 ]

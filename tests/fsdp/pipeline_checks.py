@@ -89,7 +89,64 @@ def check_pipeline_fsdp(rank: int, world: int) -> None:
         rt.close()
 
 
-CHECKS = [check_pipeline_fsdp]
+def check_torch_zbv_with_fsdp(rank: int, world: int) -> None:
+    """PyTorch's ScheduleZBVZeroBubble with splitgrad adapter stages, each fully_shard-ed over dp (4 stages)."""
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    from splitgrad.parallel import defer_fsdp_reduction
+    from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
+
+    g = pipeline_groups(pp_size=PP, dp_size=DP)
+    mesh = DeviceMesh.from_group(g.dp_group, "cpu")
+    ref = reference()
+    all_stages = sequential_stages(blocks(delay=True), 2 * PP)
+    local = sorted((g.pp_rank, 2 * PP - 1 - g.pp_rank))  # V layout
+    stages, reduced = [], []
+    for s in local:
+        module = all_stages[s]
+        fully_shard(module[0], mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        defer_fsdp_reduction(module)
+        stage = splitgrad_pipeline_stage(module, s, 2 * PP, "cpu", group=g.pp_group)
+        original = stage.perform_reduce_grad
+
+        def counted(factor: int, original=original, s=s) -> None:
+            reduced.append(s)
+            original(factor)
+
+        stage.perform_reduce_grad = counted
+        stages.append(stage)
+    # Without defer_fsdp_reduction the adapter refuses an FSDP2 stage, naming the call.
+    bare = sequential_stages(blocks(delay=True), 2 * PP)[local[0]]
+    fully_shard(bare, mesh=mesh)
+    try:
+        splitgrad_pipeline_stage(bare, local[0], 2 * PP, "cpu", group=g.pp_group)
+    except ValueError as exc:
+        if "defer_fsdp_reduction" not in str(exc):
+            raise
+    else:
+        raise AssertionError("an FSDP2 stage without defer_fsdp_reduction was accepted")
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=N_MB, loss_fn=loss_fn)
+    x, t = batch(g.dp_rank)
+    if g.pp_rank == 0:
+        schedule.step(x, target=t)
+    else:
+        schedule.step()
+    if sorted(reduced) != local:
+        raise AssertionError(f"REDUCE_GRAD ran for stages {reduced}, expected {local}")
+    per_stage = len(ref) // (2 * PP)  # one Linear (weight, bias) per stage
+    for s, stage in zip(local, stages, strict=True):
+        if splitgrad.pending_wgrad(stage.submod) != 0:
+            raise AssertionError(f"stage {s}: wgrad work left")
+        got = [p.grad.full_tensor() for p in stage.submod.parameters()]
+        want = ref[s * per_stage : (s + 1) * per_stage]
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(
+                a, b, rtol=1e-12, atol=1e-12, msg=lambda m, i=i, s=s: f"stage {s} param {i}: {m}"
+            )
+
+
+CHECKS = [check_pipeline_fsdp, check_torch_zbv_with_fsdp]
 
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:

@@ -21,6 +21,7 @@ __all__ = [
     "FSDPParamLike",
     "check_supported",
     "fsdp_param_groups",
+    "hand_back",
     "module_fsdp_params",
     "reduce_group_now",
     "unsharded_param",
@@ -138,3 +139,21 @@ def reduce_group_now(group: object, grads: dict[FSDPParamLike, torch.Tensor]) ->
         event = rs_states.pop().event
         if event is not None:
             group.device_handle.current_stream().wait_event(event)
+
+
+def hand_back(fsdp_param: FSDPParamLike, grad: torch.Tensor) -> None:
+    """Give a held full gradient back to FSDP2, where its next ``post_backward`` reduces it with the rest.
+
+    A gradient already in the reduce dtype joins FSDP2's accumulated gradient; one in the parameter's dtype
+    joins the unsharded parameter's ``.grad``.
+    """
+    unsharded = unsharded_param(fsdp_param)
+    if grad.dtype != unsharded.dtype:
+        if fsdp_param.unsharded_accumulated_grad is None:
+            fsdp_param.unsharded_accumulated_grad = grad
+        else:
+            fsdp_param.unsharded_accumulated_grad += grad
+    elif unsharded.grad is None:
+        unsharded.grad = grad
+    else:
+        unsharded.grad += grad

@@ -81,6 +81,23 @@ class FSDPReductionHandle:
         """Deferred gradients written but not reduced yet (gradient sync off, or W work still owed)."""
         return sum(len(g.held) for g in self._groups)
 
+    def release_to_fsdp(self) -> int:
+        """Hand every held gradient back to FSDP2, whose next ``post_backward`` reduces it.
+
+        For callers that drive FSDP2's reduction themselves after the last W, such as
+        ``torch.distributed.pipelining``'s ``REDUCE_GRAD`` action (the splitgrad adapter calls this first).
+
+        Returns:
+            The number of gradients handed back.
+        """
+        n = 0
+        for g in self._groups:
+            held, g.held = g.held, {}
+            for fsdp_param, grad in held.items():
+                fsdp2.hand_back(fsdp_param, grad)
+                n += 1
+        return n
+
     def remove(self) -> None:
         """Uninstall; refuses while gradients are held for a reduction that would then never happen.
 
@@ -133,6 +150,7 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
     groups: dict[int, _DeferredGroup] = {}
     handles: list = []
     plans = []
+    layers_by_handle: list[nn.Module] = []
     for layer_name, layer in model.named_modules():
         if not is_split_capable(layer) or not isinstance(layer, nn.Module):
             continue
@@ -165,6 +183,7 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
             deferred = groups[id(group)] = _DeferredGroup(group, fsdp_name or type(model).__name__)
         deferred.layers.append(layer)
         layer.__dict__["_splitgrad_fsdp_deferred"] = True
+        layers_by_handle.append(layer)
         handles.append(
             layer.wgrad_store.compute_contexts.register(
                 lambda layer=layer, params=params: fsdp2.unsharded_on_module(layer, params)
@@ -176,4 +195,9 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
             )
         )
     logger.debug("defer_fsdp_reduction: %d split layers in %d FSDP2 groups", len(plans), len(groups))
-    return FSDPReductionHandle(list(groups.values()), handles)
+    result = FSDPReductionHandle(list(groups.values()), handles)
+    for layer in layers_by_handle:
+        layer.__dict__["_splitgrad_fsdp_deferred"] = (
+            result  # found by the torch.distributed.pipelining adapter
+        )
+    return result

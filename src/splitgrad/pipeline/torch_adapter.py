@@ -285,7 +285,7 @@ def splitgrad_pipeline_stage(
 
     Raises:
         ValueError: ``module`` holds no splitgrad layer, one of them does not delay its weight gradient, or it
-            is wrapped in torch's DDP/FSDP (whose hooks never see splitgrad's deferred gradients).
+            is wrapped in torch's DDP, or in FSDP2 without splitgrad.parallel.defer_fsdp_reduction.
     """
     return SplitgradPipelineStage(
         module, stage_index, num_stages, device, input_args=input_args, output_args=output_args, group=group

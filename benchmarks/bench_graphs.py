@@ -24,8 +24,9 @@ import torch
 
 import splitgrad
 from _timing import CLOCKS, interleaved_medians, print_table
-from splitgrad.graphs import CpuGraphBackend, make_graphed_callables
+from splitgrad.graphs import make_graphed_callables
 from splitgrad.models import GPT, GPTConfig
+from splitgrad.testing import CpuGraphBackend
 
 
 def build_blocks(args: argparse.Namespace, device: torch.device) -> torch.nn.ModuleList:

@@ -95,7 +95,7 @@ def bench_fusions(args: argparse.Namespace) -> None:
         return ops.Sequential(ops.BasicLinear(h, f), ops.Bias(f), ops.GELU(), fusions=fusions)
 
     fused, unfused = (
-        block(ops.FusionRegistry(forward=[ops.fuse_forward_linear_bias_activation])),
+        block(ops.FusionRegistry(forward=[ops.fused.fuse_forward_linear_bias_activation])),
         block(ops.FusionRegistry()),
     )
     unfused.load_state_dict(fused.state_dict())
@@ -107,7 +107,7 @@ def bench_fusions(args: argparse.Namespace) -> None:
     print_table(f"Forward fusion, forward only (Linear {h}->{f} + Bias + GELU)", med, "unfused forward")
 
     bwd, none = (
-        block(ops.FusionRegistry(backward=[ops.fuse_backward_activation_bias])),
+        block(ops.FusionRegistry(backward=[ops.fused.fuse_backward_activation_bias])),
         block(ops.FusionRegistry()),
     )
     none.load_state_dict(bwd.state_dict())

@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import splitgrad
-from splitgrad.pipeline import TimelineEvent
 from splitgrad.pipeline.build import build_runtime
 from splitgrad.pipeline.measure import gather_events, measured_bubble_ratio, simulate_measured
+from splitgrad.pipeline.timeline import TimelineEvent
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import SpawnError, spawn
 

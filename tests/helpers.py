@@ -17,7 +17,7 @@ from torch import nn
 
 import splitgrad
 
-__all__ = ["attach_main_grad", "fused_weights", "grads"]
+__all__ = ["attach_main_grad", "fused_weights", "grads", "make_graphed", "one_rank_group"]
 
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -79,3 +79,33 @@ def attach_main_grad(
         else:
             p.main_grad = torch.full(p.shape, fill, dtype=buf_dtype, device=p.device)
     return params
+
+
+def make_graphed(callables, sample_args, **kwargs):
+    """``splitgrad.make_graphed_callables`` on the CPU graph emulator unless ``backend`` is given.
+
+    CI has no GPU and ``backend="auto"`` refuses CPU tensors (the emulator is slower than eager), so every
+    capture-logic test opts in to the test double here, in one place.
+    """
+    from splitgrad.testing import CpuGraphBackend
+
+    kwargs.setdefault("backend", CpuGraphBackend())
+    return splitgrad.make_graphed_callables(callables, sample_args, **kwargs)
+
+
+def one_rank_group(tmp_path_factory):
+    """Generator for a module-scoped fixture: a one-rank gloo default group in this process (FileStore, no
+    spawn), torn down afterwards; skips when the process already has a default group."""
+    import datetime
+
+    import pytest
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

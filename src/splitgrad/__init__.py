@@ -15,8 +15,6 @@ from .core import (
     SplitModule,
     WeightGradStore,
     WgradBundle,
-    WgradHooks,
-    WgradTask,
     backward_dw,
     capture_wgrad,
     discard_wgrad,
@@ -31,6 +29,13 @@ from .core import (
 from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy names below as ordinary imports
+    # Subpackages, loaded on first attribute access (the redundant aliases mark them as re-exports).
+    from . import graphs as graphs
+    from . import models as models
+    from . import ops as ops
+    from . import parallel as parallel
+    from . import pipeline as pipeline
+    from . import testing as testing
     from .graphs import GraphCaptureError, GraphedCallable, make_graphed_callables
 
 __version__ = "0.1.0"
@@ -74,8 +79,6 @@ __all__ = [
     "SplitModule",
     "WeightGradStore",
     "WgradBundle",
-    "WgradHooks",
-    "WgradTask",
     "__version__",
     "backward_dw",
     "capture_wgrad",

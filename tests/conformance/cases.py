@@ -22,16 +22,19 @@ Adding a class is one entry in :data:`CASES`::
 are not the identity and biases not zero. ``reference(params, x)`` gets ``{name: float64 tensor}`` of the
 layer's ``named_parameters()``. Leave ``modes`` out when the class supports all four, set ``call`` when it
 takes more than ``x``, ``frozen`` to the parameter names to freeze in the frozen-parameter check (empty: the
-check is skipped), ``graphed=True`` to run the case through ``splitgrad.make_graphed_callables`` (CPU
-stand-in), and ``bundles=False`` when its deferred work cannot go into ``capture_wgrad`` bundles.
-``examples/custom_split_layer.py``, the extension example, is meant to be added here this way.
+check is skipped), ``graphed=True`` to run the case through ``splitgrad.make_graphed_callables`` (on the CPU
+graph emulator, ``splitgrad.testing.CpuGraphBackend``), and ``bundles=False`` when its deferred work cannot go into ``capture_wgrad`` bundles.
+``examples/custom_split_layer.py``, the extension example, is registered this way (``examples.SplitEmbedding``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -132,6 +135,32 @@ def _ops_mlp_ref(p: Params, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _graphed_mlp_ref(p: Params, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     hidden = _gelu_tanh(_linear(x, p["0.weight"], p["0.bias"]))
     return (_linear(hidden, p["2.weight"], p["2.bias"]),)
+
+
+def custom_split_layer_module():
+    """``examples/custom_split_layer.py`` as a module (examples are scripts, not a package); registered in
+    ``sys.modules`` so its classes pickle and deep-copy like any importable class."""
+    name = "custom_split_layer"
+    if name not in sys.modules:
+        path = Path(__file__).parents[2] / "examples" / "custom_split_layer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# Token ids of the embedding case: repeats, so the scatter-add accumulates rows (the part that can go wrong).
+EMBED_IDS = torch.tensor([3, 0, 3, 7, 1, 3])
+
+
+def _embedding_call(subject: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # The embedding's output scaled by a float input, so the suite's input-gradient checks have an input.
+    return (subject(EMBED_IDS) * x,)
+
+
+def _embedding(delay: bool, fuse: bool, dtype: torch.dtype) -> nn.Module:
+    return custom_split_layer_module().SplitEmbedding(8, 5, **_module_kw(delay, fuse, dtype))
 
 
 # -- builders ---------------------------------------------------------------------------------------------
@@ -235,5 +264,13 @@ CASES: list[Case] = [
         frozen=("bias",),
         graphed=True,
         bundles=False,
+    ),
+    Case(
+        name="examples.SplitEmbedding",
+        make=_embedding,
+        x_shape=(6, 5),
+        call=_embedding_call,
+        reference=lambda p, x: (p["weight"][EMBED_IDS] * x,),
+        notes="the extension example (public names only); frozen: its only parameter is the weight",
     ),
 ]

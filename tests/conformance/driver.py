@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import splitgrad
+from splitgrad.testing import CpuGraphBackend
 from tests.helpers import attach_main_grad, grads
 
 from .cases import Case
@@ -74,7 +75,7 @@ def build(case: Case, mode: str, dtype: torch.dtype, *, frozen: Sequence[str] = 
     subject: object = module
     if case.graphed:
         sample = torch.zeros(case.x_shape, dtype=dtype, requires_grad=True)
-        subject = splitgrad.make_graphed_callables(module, (sample,))
+        subject = splitgrad.make_graphed_callables(module, (sample,), backend=CpuGraphBackend())
     return Built(case, mode, dtype, module, subject, start)
 
 

@@ -11,18 +11,15 @@ schedules are covered by ``tests/torch_adapter``.
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
 import splitgrad
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
-from tests.helpers import grads
+from tests.helpers import grads, one_rank_group
 
 from .driver import EXACT, F64, assert_grads
 
@@ -33,14 +30,7 @@ D = torch.float64
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """A one-rank gloo process group in this process (torch's pipelining needs one even for local stages)."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    yield from one_rank_group(tmp_path_factory)
 
 
 def _stages(delay: bool, frozen: tuple[str, ...] = ()) -> nn.Sequential:

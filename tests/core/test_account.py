@@ -15,15 +15,16 @@ import torch
 
 import splitgrad
 from splitgrad.core import Outstanding, WgradTask
-from splitgrad.graphs import make_graphed_callables
+from splitgrad.testing import CpuGraphBackend
 from tests.graphs.helpers import mlp, seeded
+from tests.helpers import make_graphed
 
 
 def test_outstanding_counts_queue_bundles_and_graph_replays_once():
     model = seeded(lambda: mlp(delay=True))
     other = splitgrad.Linear(6, 6, delay_wgrad_compute=True)
     x = torch.randn(3, 6)
-    (graphed,) = make_graphed_callables((model,), ((x,),), backend="cpu")
+    (graphed,) = make_graphed((model,), ((x,),), backend=CpuGraphBackend())
     graphed(x).sum().backward()  # one wgrad-graph replay owed per deferring layer
     whole = torch.nn.ModuleList([model, other])
     other(x).sum().backward()  # queued

@@ -113,6 +113,8 @@ def test_routing_inside_capture_wgrad(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+# backward(create_graph=True) on purpose: torch warns about the parameter<->grad cycle it creates.
+@pytest.mark.filterwarnings("ignore:Using backward:UserWarning")
 def test_create_graph(case):
     delayed, immediate = twins(case)
     xd, xi = inputs()

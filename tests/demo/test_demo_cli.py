@@ -20,7 +20,7 @@ import pytest
 import splitgrad.cli.demo as demo
 from splitgrad.__main__ import main
 from splitgrad.cli.demo import DemoConfig, check_config, stages_for, stages_per_rank
-from splitgrad.pipeline import schedule_names
+from splitgrad.pipeline.schedules import schedule_names
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TINY = ["--steps", "1", "--hidden-size", "16", "--num-heads", "2", "--seq-len", "8", "--max-chars", "2000"]

@@ -12,7 +12,8 @@ import gc
 import pytest
 import torch
 
-from splitgrad.graphs import CpuGraphBackend, GraphCaptureError, GraphReplayError, resolve_backend
+from splitgrad.graphs import GraphCaptureError, GraphReplayError, resolve_backend
+from splitgrad.testing import CpuGraphBackend
 
 
 def test_replay_recomputes_into_the_captured_output() -> None:
@@ -134,7 +135,11 @@ def test_in_place_write_of_the_wrong_buffer_is_visible() -> None:
 
 
 def test_resolve_backend() -> None:
-    assert resolve_backend("auto", ((torch.zeros(1),),)).name == "cpu"
+    # "auto" on CPU tensors refuses: the emulator is a test double, slower than eager, never picked for users.
+    with pytest.raises(ValueError, match="call the layers eagerly"):
+        resolve_backend("auto", ((torch.zeros(1),),))
+    with pytest.raises(ValueError, match=r"unknown graph backend 'cpu'.*splitgrad.testing.CpuGraphBackend"):
+        resolve_backend("cpu", ((torch.zeros(1),),))
     backend = CpuGraphBackend()
     assert resolve_backend(backend, ()) is backend
     with pytest.raises(ValueError, match="unknown graph backend"):

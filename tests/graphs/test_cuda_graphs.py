@@ -13,6 +13,7 @@ import torch
 
 import splitgrad
 from splitgrad.graphs import CudaGraph, CudaGraphBackend, make_graphed_callables, resolve_backend
+from splitgrad.testing import CpuGraphBackend
 
 from .helpers import (
     assert_same_state,
@@ -122,7 +123,7 @@ def test_cuda_backend_is_picked_and_stand_in_still_works_on_cuda() -> None:
     model = seeded(mlp).to(DEVICE)
     sample = torch.randn(3, 6, device=DEVICE)
     assert isinstance(resolve_backend("auto", (sample,)), CudaGraphBackend)
-    graphed = make_graphed_callables(model, (sample,), backend="cpu")
+    graphed = make_graphed_callables(model, (sample,), backend=CpuGraphBackend())
     twin = seeded(mlp).to(DEVICE)
     x = torch.randn(3, 6, device=DEVICE)
     torch.testing.assert_close(graphed_step(graphed, x), eager_step(twin, x), rtol=0, atol=0)

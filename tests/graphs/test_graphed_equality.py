@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import splitgrad
-from splitgrad.graphs import make_graphed_callables
+from tests.helpers import make_graphed
 
 from .helpers import (
     assert_same_state,
@@ -49,7 +49,7 @@ def _twins(delay: bool, fuse: bool):
 def test_graphed_matches_eager_bitwise(delay: bool, fuse: bool) -> None:
     eager, model = _twins(delay, fuse)
     eager_hooks, graphed_hooks = count_hooks(eager), count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
+    graphed = make_graphed(model, (torch.randn(3, 6, requires_grad=True),))
     assert graphed.need_backward_dw() is delay
     assert all(n == 0 for n in graphed_hooks.values()), "capture must not fire hooks"
     assert_same_state(grad_state(model), grad_state(eager))  # capture left the gradients untouched
@@ -72,7 +72,7 @@ def test_graphed_matches_eager_bitwise(delay: bool, fuse: bool) -> None:
 def test_hooks_fire_once_per_backward_dw_not_in_backward() -> None:
     model = seeded(mlp)
     counts = count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     for replay in range(1, 6):
         loss_of(graphed(torch.randn(3, 6))).backward()
         assert counts == {"0": replay - 1, "2": replay - 1}, "hooks must wait for backward_dw"
@@ -84,7 +84,7 @@ def test_fused_immediate_hooks_fire_after_backward_replay() -> None:
     model = seeded(lambda: mlp(delay=False, fuse=True))
     give_main_grad(model)
     counts = count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     for replay in range(1, 4):
         loss_of(graphed(torch.randn(3, 6))).backward()
         assert counts == {"0": replay, "2": replay}
@@ -95,7 +95,7 @@ def test_fused_immediate_hooks_fire_after_backward_replay() -> None:
 def test_hook_registered_after_capture_fires_removed_one_does_not() -> None:
     model = seeded(mlp)
     early = count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     late: list[str] = []
     model[2].register_wgrad_accumulation_and_reduce_hooks(lambda: late.append("late"))
     model[0].register_wgrad_accumulation_and_reduce_hooks(lambda: late.append("removed")).remove()
@@ -111,7 +111,7 @@ def test_hook_order_matches_eager_backward_dw() -> None:
     for m, log in ((eager, order_e), (model, order_g)):
         for name, module in splitgrad.split_modules(m):
             module.register_wgrad_accumulation_and_reduce_hooks(lambda name=name, log=log: log.append(name))
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     eager_step(eager, torch.randn(3, 6))
     graphed_step(graphed, torch.randn(3, 6))
     assert order_g == order_e == ["2", "0"]
@@ -123,7 +123,7 @@ def test_get_backward_dw_params_is_exactly_what_backward_dw_writes(delay: bool, 
     if fuse:
         give_main_grad(model)
     model[2].bias.requires_grad_(False)  # frozen: neither listed nor written
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     listed = graphed.get_backward_dw_params()
     expected = [model[0].weight, model[0].bias, model[2].weight]
     assert [id(p) for p in listed] == [id(p) for p in expected]
@@ -137,7 +137,7 @@ def test_get_backward_dw_params_is_exactly_what_backward_dw_writes(delay: bool, 
 
 def test_replay_many_times_without_drift() -> None:
     model = seeded(mlp)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),))
+    graphed = make_graphed(model, (torch.randn(3, 6, requires_grad=True),))
     x = torch.randn(3, 6, requires_grad=True)
     first = None
     out_ptrs = {o.data_ptr() for o in graphed.static_outputs}
@@ -167,7 +167,7 @@ def test_float64_against_plain_autograd() -> None:
         nn.Linear(5, 4, dtype=torch.float64),
     )
     reference.load_state_dict(model.state_dict())
-    graphed = make_graphed_callables(model, (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),))
+    graphed = make_graphed(model, (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),))
     for _ in range(2):
         x = torch.randn(3, 6, dtype=torch.float64)
         xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -185,7 +185,7 @@ def test_returned_gradients_are_not_aliased_by_autograd() -> None:
     the static buffer and the next replay would double it); two accumulating backwards catch that."""
     eager = seeded(lambda: mlp(delay=False))
     model = seeded(lambda: mlp(delay=False))
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     for _ in range(2):
         x = torch.randn(3, 6)
         eager_step(eager, x)
@@ -210,7 +210,7 @@ def test_python_side_effects_do_not_replay() -> None:
             return self.lin(x) * self.scale
 
     module = Scaled()
-    graphed = make_graphed_callables(module, (torch.randn(2, 4),), num_warmup_iters=2)
+    graphed = make_graphed(module, (torch.randn(2, 4),), num_warmup_iters=2)
     calls = module.calls
     assert calls == 3  # two warm-up iterations and the capture
     module.scale = 5.0
@@ -225,7 +225,7 @@ def test_raw_wgrad_replay_writes_gradients_but_fires_no_hook() -> None:
     and fires nothing — exactly the bug (hooks missing after replay) the equality tests would catch."""
     model = seeded(mlp)
     counts = count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     graphed_step(graphed, torch.randn(3, 6))
     before = model[0].weight.grad.clone()
     loss_of(graphed(torch.randn(3, 6))).backward()
@@ -238,7 +238,7 @@ def test_raw_wgrad_replay_writes_gradients_but_fires_no_hook() -> None:
 def test_comparison_rejects_a_wrong_gradient() -> None:
     """Negative check: one missing backward_dw makes the bitwise comparison fail."""
     eager, model = _twins(True, False)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     x = torch.randn(3, 6)
     eager_step(eager, x)
     eager_step(eager, x)
@@ -257,7 +257,7 @@ def test_several_callables_chain_like_a_layer_stack() -> None:
         m[0] = splitgrad.Linear(4, 10, delay_wgrad_compute=True)
     torch.manual_seed(3)
     eager[1][0].load_state_dict(layers[1][0].state_dict())
-    g0, g1 = make_graphed_callables(
+    g0, g1 = make_graphed(
         tuple(layers), ((torch.randn(3, 6, requires_grad=True),), (torch.randn(3, 4, requires_grad=True),))
     )
     for _ in range(2):

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import splitgrad
-from splitgrad.graphs import GraphCaptureError, make_graphed_callables
+from splitgrad.graphs import GraphCaptureError
+from tests.helpers import make_graphed
 
 from .helpers import give_main_grad, grad_state, graphed_step, loss_of, mlp, seeded
 
@@ -24,7 +25,7 @@ from .helpers import give_main_grad, grad_state, graphed_step, loss_of, mlp, see
 @pytest.fixture
 def graphed_mlp():
     model = seeded(mlp)
-    return model, make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),), num_warmup_iters=1)
+    return model, make_graphed(model, (torch.randn(3, 6, requires_grad=True),), num_warmup_iters=1)
 
 
 def test_second_backward_before_backward_dw(graphed_mlp) -> None:
@@ -51,7 +52,7 @@ def test_backward_dw_without_pending_work(graphed_mlp) -> None:
 
 
 def test_backward_dw_without_deferral() -> None:
-    graphed = make_graphed_callables(seeded(lambda: mlp(delay=False)), (torch.randn(3, 6),))
+    graphed = make_graphed(seeded(lambda: mlp(delay=False)), (torch.randn(3, 6),))
     assert not graphed.need_backward_dw() and graphed.get_backward_dw_params() == []
     loss_of(graphed(torch.randn(3, 6))).backward()
     with pytest.raises(RuntimeError, match="no captured layer defers"):
@@ -59,7 +60,7 @@ def test_backward_dw_without_deferral() -> None:
 
 
 def test_stale_forward() -> None:
-    graphed = make_graphed_callables(seeded(lambda: mlp(delay=False)), (torch.randn(3, 6),))
+    graphed = make_graphed(seeded(lambda: mlp(delay=False)), (torch.randn(3, 6),))
     y1 = graphed(torch.randn(3, 6))
     graphed(torch.randn(3, 6))
     with pytest.raises(RuntimeError, match="backward of an older forward call"):
@@ -79,7 +80,7 @@ def test_bad_call_arguments(graphed_mlp) -> None:
 
 
 def test_input_requiring_grad_when_sample_did_not() -> None:
-    graphed = make_graphed_callables(seeded(mlp), (torch.randn(3, 6),))
+    graphed = make_graphed(seeded(mlp), (torch.randn(3, 6),))
     with pytest.raises(ValueError, match="sample arg did not"):
         graphed(torch.randn(3, 6, requires_grad=True))
 
@@ -101,7 +102,7 @@ def test_input_requiring_grad_when_sample_did_not() -> None:
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     args = {"callables": seeded(mlp), "sample_args": (torch.randn(3, 6),), **kwargs}
     with pytest.raises(ValueError, match=match):
-        make_graphed_callables(args.pop("callables"), args.pop("sample_args"), **args)
+        make_graphed(args.pop("callables"), args.pop("sample_args"), **args)
 
 
 def test_replaced_grad_is_refused_none_is_fine(graphed_mlp) -> None:
@@ -120,7 +121,7 @@ def test_replaced_grad_is_refused_none_is_fine(graphed_mlp) -> None:
 def test_replaced_main_grad_and_flipped_overwrite_are_refused() -> None:
     model = seeded(lambda: mlp(delay=True, fuse=True))
     give_main_grad(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     w = model[2].weight
     loss_of(graphed(torch.randn(3, 6))).backward()
     old = w.main_grad
@@ -152,7 +153,7 @@ def test_switches_flipped_after_capture(graphed_mlp) -> None:
 
 def test_frozen_after_capture() -> None:
     model = seeded(mlp)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6),))
+    graphed = make_graphed(model, (torch.randn(3, 6),))
     model[0].bias.requires_grad_(False)
     with pytest.raises(RuntimeError, match="frozen"):
         graphed(torch.randn(3, 6))
@@ -162,20 +163,20 @@ def test_module_hooks_and_trainable_buffers_are_refused() -> None:
     model = seeded(mlp)
     handle = model[1].register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="module '1' has forward/backward hooks"):
-        make_graphed_callables(model, (torch.randn(3, 6),))
+        make_graphed(model, (torch.randn(3, 6),))
     handle.remove()
     model.register_buffer("scale", torch.ones(1, requires_grad=True))
     with pytest.raises(ValueError, match=r"buffers \['scale'\] require grad"):
-        make_graphed_callables(model, (torch.randn(3, 6),))
+        make_graphed(model, (torch.randn(3, 6),))
 
 
 def test_layers_outside_the_callable_are_refused() -> None:
     layer = splitgrad.Linear(6, 4, delay_wgrad_compute=True)
     with pytest.raises(GraphCaptureError, match="neither inputs nor parameters of the callable"):
-        make_graphed_callables(lambda x: layer(x), (torch.randn(3, 6),))
+        make_graphed(lambda x: layer(x), (torch.randn(3, 6),))
     plain = nn.Linear(6, 6)  # a closed-over layer that does not defer: still never trained by the graphs
     with pytest.raises(GraphCaptureError, match=r"depend on 4 tensor\(s\)"):
-        make_graphed_callables(lambda x: layer(plain(x)), (torch.randn(3, 6, requires_grad=True),))
+        make_graphed(lambda x: layer(plain(x)), (torch.randn(3, 6, requires_grad=True),))
     assert layer.wgrad_store.captured == 0 and len(layer.wgrad_store) == 0
 
 
@@ -196,7 +197,7 @@ def test_data_dependent_callable_is_refused_and_state_restored() -> None:
     counts = []
     module.lin.register_wgrad_accumulation_and_reduce_hooks(lambda: counts.append(1))
     with pytest.raises(GraphCaptureError, match=r"_Item\[0\]: capturing the forward graph failed"):
-        make_graphed_callables(module, (torch.randn(3, 6),), num_warmup_iters=1)
+        make_graphed(module, (torch.randn(3, 6),), num_warmup_iters=1)
     after = grad_state(module)
     assert after.keys() == before.keys()
     assert module.lin.weight.grad is not None and torch.equal(
@@ -217,11 +218,11 @@ def test_non_tensor_output_and_unused_input() -> None:
             return {"y": self.lin(x)}
 
     with pytest.raises(GraphCaptureError, match="must return a tensor or a non-empty tuple/list"):
-        make_graphed_callables(Pair(), (torch.randn(1, 2), torch.randn(1)))
+        make_graphed(Pair(), (torch.randn(1, 2), torch.randn(1)))
     Pair.forward = lambda self, x, unused: self.lin(x)
     with pytest.raises(GraphCaptureError, match="input 1 requires grad but receives none"):
-        make_graphed_callables(Pair(), (torch.randn(1, 2), torch.randn(1, requires_grad=True)))
-    graphed = make_graphed_callables(
+        make_graphed(Pair(), (torch.randn(1, 2), torch.randn(1, requires_grad=True)))
+    graphed = make_graphed(
         Pair(), (torch.randn(1, 2), torch.randn(1, requires_grad=True)), allow_unused_input=True
     )
     graphed(torch.randn(1, 2), torch.randn(1, requires_grad=True)).sum().backward()
@@ -232,11 +233,11 @@ def test_autocast_cache_is_refused() -> None:
         torch.autocast("cpu", dtype=torch.bfloat16),
         pytest.raises(RuntimeError, match="needs cache_enabled=False"),
     ):
-        make_graphed_callables(seeded(mlp), (torch.randn(3, 6),))
+        make_graphed(seeded(mlp), (torch.randn(3, 6),))
 
 
 def test_garbage_collected_with_pending_wgrad_warns() -> None:
-    graphed = make_graphed_callables(seeded(mlp), (torch.randn(3, 6),))
+    graphed = make_graphed(seeded(mlp), (torch.randn(3, 6),))
     loss_of(graphed(torch.randn(3, 6))).backward()
     with pytest.warns(RuntimeWarning, match="pending wgrad replay"):
         del graphed
@@ -265,7 +266,7 @@ class _Explodes(nn.Module):
 def test_failed_warmup_leaves_no_owed_work(recwarn) -> None:
     module = _Explodes()
     with pytest.raises(ValueError, match="backward exploded"):
-        make_graphed_callables(module, (torch.randn(3, 6, requires_grad=True),))
+        make_graphed(module, (torch.randn(3, 6, requires_grad=True),))
     gc.collect()
     splitgrad.ensure_no_pending_wgrad(module)
     assert not [w for w in recwarn if "lost" in str(w.message)]

@@ -15,7 +15,7 @@ from torch import nn
 
 import splitgrad
 from splitgrad import ops
-from splitgrad.graphs import make_graphed_callables
+from tests.helpers import make_graphed
 
 from .helpers import (
     assert_same_state,
@@ -88,7 +88,7 @@ def test_family_graphed_equals_eager(family: str, fuse: bool) -> None:
         give_main_grad(eager)
         give_main_grad(model)
     eager_hooks, graphed_hooks = count_hooks(eager), count_hooks(model)
-    graphed = make_graphed_callables(model, (torch.randn(3, 6, requires_grad=True),), num_warmup_iters=2)
+    graphed = make_graphed(model, (torch.randn(3, 6, requires_grad=True),), num_warmup_iters=2)
     expected_dw = [p for _, m in splitgrad.split_modules(model) for p in m.get_backward_dw_params()]
     assert [id(p) for p in graphed.get_backward_dw_params()] == [id(p) for p in expected_dw]
     torch.manual_seed(5)
@@ -121,7 +121,7 @@ def test_gpt_block_stack_graphed_per_layer() -> None:
     eager, model = seeded(lambda: _gpt_blocks(True)), seeded(lambda: _gpt_blocks(True))
     counts_e, counts_g = count_hooks(eager), count_hooks(model)
     samples = tuple((torch.randn(2, 4, 16, requires_grad=True),) for _ in model)
-    graphed = make_graphed_callables(tuple(model), samples, num_warmup_iters=1)
+    graphed = make_graphed(tuple(model), samples, num_warmup_iters=1)
     for _ in range(2):
         x = torch.randn(2, 4, 16)
         xe, xg = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.graphs import CpuGraphBackend, GraphAction, make_graphed_callables
+from splitgrad.graphs import GraphAction
 from splitgrad.graphs.order import normalize_order
+from splitgrad.testing import CpuGraphBackend
+from tests.helpers import make_graphed
 
 from .helpers import assert_same_state, grad_state, loss_of, mlp, seeded
 
@@ -64,7 +66,7 @@ def _run_schedule(order, forward, backward_dw, xs, around_backward=None) -> list
 def test_pipeline_order_matches_eager_bundles() -> None:
     eager, model = _chunks(0), _chunks(0)
     samples = ((torch.randn(3, 6, requires_grad=True),), (torch.randn(3, 4, requires_grad=True),))
-    graphed = make_graphed_callables(tuple(model), samples, order=ORDER)
+    graphed = make_graphed(tuple(model), samples, order=ORDER)
     assert [[g.microbatch for g in row] for row in graphed] == [[0, 1], [0, 1]]
     assert graphed[0][0].static_inputs[0] is not graphed[0][1].static_inputs[0]
 
@@ -95,7 +97,7 @@ def test_single_graph_per_stage_cannot_hold_two_microbatches() -> None:
     """Negative check: without ``order`` there is one set of buffers, and the schedule above is refused."""
     model = _chunks(0)
     samples = ((torch.randn(3, 6, requires_grad=True),), (torch.randn(3, 4, requires_grad=True),))
-    single = make_graphed_callables(tuple(model), samples)
+    single = make_graphed(tuple(model), samples)
     with pytest.raises(RuntimeError, match="backward of an older forward call"):
         _run_schedule(
             ORDER,
@@ -113,7 +115,7 @@ def test_pipeline_actions_and_stage_ids() -> None:
     actions = pytest.importorskip("splitgrad.pipeline.actions")
     model = seeded(mlp)
     order = [actions.parse_action(t) for t in ("2F0", "2F1", "2BW0", "2B1", "2W1")]
-    (row,) = make_graphed_callables((model,), ((torch.randn(3, 6),),), order=order, stages=(2,))
+    (row,) = make_graphed((model,), ((torch.randn(3, 6),),), order=order, stages=(2,))
     assert [g.stage for g in row] == [2, 2]
     for g in row:
         loss_of(g(torch.randn(3, 6))).backward()
@@ -164,11 +166,11 @@ def test_replay_out_of_capture_order_is_caught_by_the_pool_emulation() -> None:
         _run_schedule(natural, lambda s, m, x: graphed[s][m](x), lambda s, m: graphed[s][m].backward_dw(), xs)
 
     bad = _chunks(0)
-    step(make_graphed_callables(tuple(bad), samples, order=["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]))
+    step(make_graphed(tuple(bad), samples, order=["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]))
     assert torch.isnan(bad[0][0].weight.grad).any()
 
     good, eager = _chunks(0), _chunks(0)
-    step(make_graphed_callables(tuple(good), samples, order=natural))
+    step(make_graphed(tuple(good), samples, order=natural))
     bundles = {}
 
     def park(stage: int, mb: int, run) -> None:
@@ -183,10 +185,6 @@ def test_replay_out_of_capture_order_is_caught_by_the_pool_emulation() -> None:
     # Without the emulation the bad order looks fine on CPU: the bug would only show up on a GPU.
     unchecked = _chunks(0)
     bad_order = ["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]
-    step(
-        make_graphed_callables(
-            tuple(unchecked), samples, order=bad_order, backend=CpuGraphBackend(shared_pool=False)
-        )
-    )
+    step(make_graphed(tuple(unchecked), samples, order=bad_order, backend=CpuGraphBackend(shared_pool=False)))
     for e, m in zip(eager, unchecked):
         assert_same_state(grad_state(m), grad_state(e))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.graphs import make_graphed_callables
+from splitgrad.testing import CpuGraphBackend
+from tests.helpers import make_graphed
 
 from .helpers import mlp, seeded
 
@@ -20,7 +21,7 @@ from .helpers import mlp, seeded
 def test_pending_wgrad_replay_blocks_the_optimizer_guard():
     model = seeded(lambda: mlp(delay=True))
     x = torch.randn(3, 6, requires_grad=True)
-    (graphed,) = make_graphed_callables((model,), ((x,),), backend="cpu")
+    (graphed,) = make_graphed((model,), ((x,),), backend=CpuGraphBackend())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     splitgrad.guard_optimizer(opt, model)
     graphed(x).sum().backward()
@@ -34,7 +35,7 @@ def test_pending_wgrad_replay_blocks_the_optimizer_guard():
 def test_garbage_collected_graph_warns_and_stops_counting():
     model = seeded(lambda: mlp(delay=True))
     x = torch.randn(3, 6, requires_grad=True)
-    (graphed,) = make_graphed_callables((model,), ((x,),), backend="cpu")
+    (graphed,) = make_graphed((model,), ((x,),), backend=CpuGraphBackend())
     graphed(x).sum().backward()
     with pytest.raises(RuntimeError, match="in graphs"):
         splitgrad.ensure_no_pending_wgrad(model)

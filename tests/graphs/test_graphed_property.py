@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import splitgrad
-from splitgrad.graphs import make_graphed_callables
+from tests.helpers import make_graphed
 
 from .helpers import assert_same_state, give_main_grad, grad_state, loss_of, mlp, seeded
 
@@ -27,7 +27,7 @@ def _setup():
     model = [seeded(b, seed=i) for i, b in enumerate(builders)]
     for m in (eager[1], model[1]):
         give_main_grad(m)
-    graphed = [make_graphed_callables(m, (torch.randn(2, 6),), num_warmup_iters=1) for m in model]
+    graphed = [make_graphed(m, (torch.randn(2, 6),), num_warmup_iters=1) for m in model]
     return eager, model, graphed
 
 

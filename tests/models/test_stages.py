@@ -88,7 +88,7 @@ def test_stages_chain_to_the_model_bitwise_and_partition_its_parameters():
         assert (tuple(x.shape), x.dtype) == stage.output_meta(3, 10)
     with torch.no_grad():
         torch.testing.assert_close(x, model(ids), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="PipelineStage 1"):
+    with pytest.raises(ValueError, match="StageModule 1"):
         stages[1](ids)
 
 
@@ -134,3 +134,14 @@ def test_pipelined_moe_adds_aux_loss_without_sending_it():
     for ids, targets in microbatches:
         (twin.loss(ids, targets) / len(microbatches)).backward()
     assert_grads(grads(model), grads(twin))
+
+
+def test_old_stage_name_warns_and_is_the_new_class():
+    # Renamed: splitgrad.models.PipelineStage collided with torch's PipelineStage (the adapter subclasses it).
+    import splitgrad.models as models
+
+    with pytest.warns(DeprecationWarning, match="StageModule"):
+        assert models.PipelineStage is models.StageModule
+    assert "PipelineStage" not in models.__all__
+    with pytest.raises(AttributeError, match="no attribute 'PipelineStages'"):
+        models.PipelineStages  # noqa: B018

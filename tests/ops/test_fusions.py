@@ -53,10 +53,10 @@ def test_fused_matches_unfused_and_plain_torch(act_name: str) -> None:
     _, act_ref, fout = ACTS[act_name]
     fused, unfused = _block(act_name, None), _block(act_name, ops.FusionRegistry())
     (fuser,) = fused.fusers
-    assert isinstance(fuser.forward_ops[0], ops.ForwardLinearBiasActivation)
+    assert isinstance(fuser.forward_ops[0], ops.fused.ForwardLinearBiasActivation)
     assert len(fuser.forward_ops) == 1
     if act_name != "none":
-        assert isinstance(fuser.backward_ops[1], ops.BackwardActivationBias)
+        assert isinstance(fuser.backward_ops[1], ops.fused.BackwardActivationBias)
     assert all(isinstance(op, ops.BasicOperation) for op in unfused.fusers[0].forward_ops)
 
     x, dy = _data(fout)
@@ -71,9 +71,9 @@ def test_fused_matches_unfused_and_plain_torch(act_name: str) -> None:
 @pytest.mark.parametrize("act_name", ["GELU", "ReLU", "SwiGLU"])
 def test_backward_fusion_is_bitwise(act_name: str) -> None:
     """Backward-only fusion (forward fusions off) changes nothing, to the bit."""
-    only_bwd = ops.FusionRegistry(backward=[ops.fuse_backward_activation_bias])
+    only_bwd = ops.FusionRegistry(backward=[ops.fused.fuse_backward_activation_bias])
     fused, unfused = _block(act_name, only_bwd), _block(act_name, ops.FusionRegistry())
-    assert isinstance(fused.fusers[0].backward_ops[1], ops.BackwardActivationBias)
+    assert isinstance(fused.fusers[0].backward_ops[1], ops.fused.BackwardActivationBias)
     x, dy = _data(ACTS[act_name][2])
     assert_results_equal(run_module(fused, x, dy), run_module(unfused, x, dy))
 
@@ -98,7 +98,7 @@ def test_fusion_skips_non_matching_windows() -> None:
         ops.Bias(5),
     )
     fwd, bwd = seq.fusers[0].forward_ops, seq.fusers[0].backward_ops
-    assert not any(isinstance(op, ops.ForwardLinearBiasActivation) for op in fwd)
+    assert not any(isinstance(op, ops.fused.ForwardLinearBiasActivation) for op in fwd)
     assert [type(op).__name__ for op in bwd].count("BackwardActivationBias") == 1
 
 
@@ -106,7 +106,7 @@ def test_non_op_module_splits_fusion_runs() -> None:
     seq = ops.Sequential(ops.BasicLinear(4, 5), torch.nn.Identity(), ops.Bias(5), ops.GELU())
     assert len(seq.fusers) == 2
     assert not any(
-        isinstance(op, ops.ForwardLinearBiasActivation) for f in seq.fusers for op in f.forward_ops
+        isinstance(op, ops.fused.ForwardLinearBiasActivation) for f in seq.fusers for op in f.forward_ops
     )
 
 
@@ -141,7 +141,7 @@ def test_registering_a_fusion_replans_and_a_broken_fusion_is_rejected() -> None:
 
 def test_fused_op_must_wrap_two_ops_and_declares_its_direction() -> None:
     with pytest.raises(ValueError, match="at least two"):
-        ops.BackwardActivationBias.__mro__[1]([ops.ReLU()])
-    fused = ops.ForwardLinearBiasActivation(ops.BasicLinear(2, 2), ops.Bias(2))
+        ops.fused.BackwardActivationBias.__mro__[1]([ops.ReLU()])
+    fused = ops.fused.ForwardLinearBiasActivation(ops.BasicLinear(2, 2), ops.Bias(2))
     with pytest.raises(NotImplementedError, match="not a backward fusion"):
         fused.fuser_backward([], torch.zeros(1))

@@ -11,14 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from splitgrad.pipeline import (
-    Action,
-    ActionKind,
-    Schedule,
-    Transfer,
-    build_schedule,
-    parse_action,
-)
+from splitgrad.pipeline import Action, ActionKind, Schedule, build_schedule
+from splitgrad.pipeline.actions import Transfer, parse_action
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitgrad.pipeline import auto_candidates, build_schedule, greedy_schedule, simulate, validate, zb_auto
+from splitgrad.pipeline import build_schedule, simulate, validate
+from splitgrad.pipeline.schedules import auto_candidates, greedy_schedule, zb_auto
 
 costs = st.floats(min_value=0.1, max_value=4.0, allow_nan=False)
 

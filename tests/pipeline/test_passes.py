@@ -11,19 +11,9 @@ import os
 
 import pytest
 
-from splitgrad.pipeline import (
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleError,
-    add_grad_sync,
-    build_schedule,
-    has_grad_sync,
-    parse_action,
-    simulate,
-    strip_grad_sync,
-    validate,
-)
+from splitgrad.pipeline import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
+from splitgrad.pipeline.actions import parse_action
+from splitgrad.pipeline.passes import add_grad_sync, has_grad_sync, strip_grad_sync
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 
 F, B, W, BW, R, RF = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW, ActionKind.R, ActionKind.RF)

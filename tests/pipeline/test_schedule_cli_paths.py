@@ -61,7 +61,7 @@ def test_a_write_refused_by_the_file_system_is_one_error_line(tmp_path, capsys, 
     def refuse(events, path, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("splitgrad.pipeline.write_chrome_trace", refuse)
+    monkeypatch.setattr("splitgrad.pipeline.timeline.write_chrome_trace", refuse)
     assert main([*ARGS, "--trace", str(tmp_path / "t.json")]) == 2
     (line,) = _errors(capsys.readouterr().err)
     assert line == f"error: could not write {tmp_path / 't.json'}: Permission denied"

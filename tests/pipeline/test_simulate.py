@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitgrad.pipeline import ActionKind, build_schedule, schedule_names, simulate, validate
+from splitgrad.pipeline import ActionKind, build_schedule, simulate, validate
+from splitgrad.pipeline.schedules import schedule_names
 from tests.pipeline.helpers import random_valid_schedule, reference_times
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW

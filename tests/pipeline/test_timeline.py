@@ -11,16 +11,8 @@ import json
 
 import pytest
 
-from splitgrad.pipeline import (
-    Action,
-    ActionKind,
-    TimelineEvent,
-    build_schedule,
-    render_ascii,
-    simulate,
-    to_chrome_trace,
-    write_chrome_trace,
-)
+from splitgrad.pipeline import Action, ActionKind, build_schedule, simulate
+from splitgrad.pipeline.timeline import TimelineEvent, render_ascii, to_chrome_trace, write_chrome_trace
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 

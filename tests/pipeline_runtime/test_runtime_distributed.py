@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitgrad.pipeline import build_schedule, channel_order_problems
-from splitgrad.testing.spawn import spawn
+from splitgrad.pipeline import build_schedule
+from splitgrad.pipeline.validate import channel_order_problems
+from splitgrad.testing import spawn
 
 from . import workers
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from splitgrad.testing.spawn import SpawnError, SpawnTimeoutError, spawn
+from splitgrad.testing import SpawnError, SpawnTimeoutError, spawn
 
 from . import workers
 

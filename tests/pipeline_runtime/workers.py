@@ -27,6 +27,7 @@ from splitgrad.models import (
     set_aux_loss_scale,
     split_into_stages,
 )
+from splitgrad.parallel import DDPConfig
 from splitgrad.pipeline import build_schedule
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
 from splitgrad.pipeline.comm import PipelineComm
@@ -144,7 +145,7 @@ def run_gpt_check(
     ref_loss, ref = gpt_reference(
         model, *zip(*[(i, t) for b in batches for i, t in zip(b[0].split(MB), b[1].split(MB))])
     )
-    ddp_options = {"bucket_size": 2000} if dp_group is not None else None
+    ddp = DDPConfig(bucket_size=2000) if dp_group is not None else None
     rt = build_runtime(
         stages,
         name,
@@ -152,7 +153,7 @@ def run_gpt_check(
         loss_fn=lm_loss,
         pp_group=pp_group,
         dp_group=dp_group,
-        ddp_options=ddp_options,
+        ddp=ddp,
         timeout=60,
         schedule_options={"split_backward": True} if split_backward else None,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .demo import DemoConfig
+    from ._demo_config import DemoConfig
 
 __all__ = [
     "check_config",
@@ -142,7 +142,7 @@ def positive_float(text: str) -> float:
 
 def schedule_list(text: str) -> tuple[str, ...]:
     """``type=`` of ``--schedules``: comma-separated known schedule names."""
-    from ..pipeline import schedule_names
+    from ..pipeline.schedules import schedule_names
 
     names = tuple(s.strip() for s in text.split(",") if s.strip())
     if not names:

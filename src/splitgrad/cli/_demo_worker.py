@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..core import guard_optimizer
 from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stages
 from ..pipeline import build_runtime
-from .demo import DemoConfig, stages_for
+from ._demo_checks import stages_for
+from ._demo_config import DemoConfig
 
 __all__ = ["stages_for", "train_all"]
 

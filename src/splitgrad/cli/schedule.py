@@ -31,7 +31,7 @@ def parse_costs(text: str) -> float | list[float]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``schedule`` sub-command on ``subparsers`` and return its parser."""
-    from splitgrad.pipeline import schedule_names
+    from splitgrad.pipeline.schedules import schedule_names
 
     parser = subparsers.add_parser(
         "schedule",
@@ -97,7 +97,8 @@ def output_path(flag: str, text: str | None, suffix: str | None = None) -> Path 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sub-command; returns the exit code (0 ok, 1 invalid schedule, 2 bad arguments)."""
-    from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate, write_chrome_trace
+    from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate
+    from splitgrad.pipeline.timeline import write_chrome_trace
 
     try:
         png = output_path("--png", args.png, ".png")

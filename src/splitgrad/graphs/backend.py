@@ -1,13 +1,11 @@
 """The graph-backend interface: capture a function once, replay only its tensor work.
 
 :func:`splitgrad.graphs.make_graphed_callables` never calls ``torch.cuda.CUDAGraph`` directly; it asks a
-:class:`GraphBackend` to run warm-up iterations and to capture closures. Two backends implement it:
-
-* :class:`~splitgrad.graphs.cuda_backend.CudaGraphBackend` — real CUDA graphs, one memory pool shared by every
-  graph of one ``make_graphed_callables`` call, warm-up on a side stream;
-* :class:`~splitgrad.graphs.cpu_backend.CpuGraphBackend` — a CPU stand-in that records the aten operations of
-  the captured function and replays only those into the same tensors, so CI without a GPU exercises the same
-  failure modes (Python side effects that do not replay, buffers that move between replays).
+:class:`GraphBackend` to run warm-up iterations and to capture closures. The library ships one:
+:class:`~splitgrad.graphs.cuda_backend.CudaGraphBackend` — real CUDA graphs, one memory pool shared by every
+graph of one ``make_graphed_callables`` call, warm-up on a side stream. The CPU emulator that records aten
+operations and replays them (:class:`splitgrad.testing.CpuGraphBackend`) is a test double: opt-in, passed as an
+instance, never chosen by ``"auto"`` (replaying from Python is slower than running eagerly).
 """
 
 from __future__ import annotations
@@ -22,22 +20,12 @@ import torch
 __all__ = [
     "Graph",
     "GraphBackend",
-    "GraphCaptureError",
-    "GraphReplayError",
     "resolve_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class GraphCaptureError(RuntimeError):
-    """The function cannot be captured as a graph (data-dependent control flow, host syncs, ...)."""
-
-
-class GraphReplayError(RuntimeError):
-    """A replay would read or write memory that no longer is what was captured."""
 
 
 @runtime_checkable
@@ -85,33 +73,39 @@ def _tensors(nested: Iterable[object]) -> Iterator[torch.Tensor]:
 
 
 def resolve_backend(backend: str | GraphBackend, sample_args: Iterable[object]) -> GraphBackend:
-    """Turn ``backend`` (``"auto"``, ``"cuda"``, ``"cpu"`` or an instance) into a backend instance.
+    """Turn ``backend`` (``"auto"``, ``"cuda"`` or an instance) into a backend instance.
 
-    ``"auto"`` picks CUDA graphs when the sample tensors live on a CUDA device and the CPU stand-in when
-    they live on the CPU. ``"cpu"`` (the stand-in) also works on CUDA tensors, as a debugging aid.
+    ``"auto"`` picks CUDA graphs when the sample tensors live on a CUDA device. On any other device there is no
+    graph backend that beats eager execution, so ``"auto"`` raises rather than hand back something slower:
+    call the layers eagerly there, or pass a backend instance (tests: ``splitgrad.testing.CpuGraphBackend()``).
 
     Raises:
-        ValueError: unknown name, or sample tensors spread over several devices.
+        ValueError: unknown name, ``"auto"``/``"cuda"`` with non-CUDA tensors, or sample tensors spread over
+            several devices.
     """
     if not isinstance(backend, str):
         if not isinstance(backend, GraphBackend):
-            raise ValueError(f"backend must be 'auto', 'cuda', 'cpu' or a GraphBackend, got {backend!r}")
+            raise ValueError(f"backend must be 'auto', 'cuda' or a GraphBackend instance, got {backend!r}")
         return backend
+    if backend not in ("auto", "cuda"):
+        hint = (
+            " (the CPU emulator is splitgrad.testing.CpuGraphBackend(), a test double)"
+            if backend == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"unknown graph backend {backend!r}; expected 'auto', 'cuda' or a GraphBackend{hint}"
+        )
     devices = {t.device for t in _tensors(sample_args)}
     if len(devices) > 1:
         raise ValueError(f"sample tensors must all live on one device, got {sorted(map(str, devices))}")
     device = devices.pop() if devices else torch.device("cpu")
-    name = backend
-    if name == "auto":
-        name = "cuda" if device.type == "cuda" else "cpu"
-    if name == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA sample tensors, got tensors on {device}")
-        from .cuda_backend import CudaGraphBackend
+    if device.type != "cuda":
+        raise ValueError(
+            f"backend={backend!r} needs CUDA sample tensors, got tensors on {device}: no graph backend runs "
+            "faster than eager there, so call the layers eagerly (for tests of the capture logic, pass "
+            "backend=splitgrad.testing.CpuGraphBackend())"
+        )
+    from .cuda_backend import CudaGraphBackend
 
-        return CudaGraphBackend(device)
-    if name == "cpu":
-        from .cpu_backend import CpuGraphBackend
-
-        return CpuGraphBackend()
-    raise ValueError(f"unknown graph backend {backend!r}; expected 'auto', 'cuda', 'cpu' or a GraphBackend")
+    return CudaGraphBackend(device)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..core import WeightGradStore, WgradBundle, capture_wgrad, split_modules
-from .backend import GraphBackend, GraphCaptureError
+from .backend import GraphBackend
+from .errors import GraphCaptureError
 from .graphed import CapturedGraphs, GraphedCallable
 from .targets import GradTarget, muted_hooks
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .backend import GraphCaptureError
+from .errors import GraphCaptureError
 
 __all__ = ["CudaGraph", "CudaGraphBackend"]
 

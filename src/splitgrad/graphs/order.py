@@ -9,13 +9,13 @@ in the order the runtime will replay them. The order uses the pipeline vocabular
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from ..pipeline.actions import AnyAction
 
 __all__ = ["GraphAction", "default_order", "normalize_order"]
-
-_KINDS = ("F", "B", "W")
 
 
 class GraphAction(NamedTuple):
@@ -29,50 +29,55 @@ class GraphAction(NamedTuple):
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
-def _parse(item: object) -> list[GraphAction]:
-    """One order entry (string or any ``(stage, kind, microbatch)`` object) -> its capture steps.
+def _as_action(item: object) -> AnyAction:
+    """One order entry as a pipeline action: strings in the pipeline grammar, ``Action``/``OverlapAction``
+    as they are, any other object with ``stage``/``kind``/``microbatch`` attributes converted."""
+    # One torch-free grammar, shared with the pipeline; imported when an order is given, so that
+    # ``make_graphed_callables`` alone does not load ``splitgrad.pipeline``.
+    from ..pipeline.actions import Action, OverlapAction, parse_action
 
-    A pipeline schedule's overlapped pair (``"0F3+3BW1"``, an object with two ``parts``) captures both parts,
-    forward first; its gradient-sync points (``"0R"``, ``"0RF"``, kind ``R``/``RF``) capture nothing.
-    """
-    parts = getattr(item, "parts", None)
-    if isinstance(item, str) and "+" in item:
-        parts = item.split("+")
-    if parts is not None and len(parts) > 1:
-        return [step for part in parts for step in _parse(part)]
+    if isinstance(item, (Action, OverlapAction)):
+        return item
     if isinstance(item, str):
-        if re.fullmatch(r"\d+RF?", item.strip()):
-            return []
-    elif str(getattr(getattr(item, "kind", None), "value", getattr(item, "kind", None))) in ("R", "RF"):
-        return []
-    if isinstance(item, str):
-        text = item.strip()
-        kind = next((k for k in ("BW", "F", "B", "W") if k in text), None)
-        head, _, tail = text.partition(kind) if kind else ("", "", "")
-        if kind is None or not head.isdigit() or not tail.isdigit():
-            raise ValueError(
-                f"cannot parse capture-order entry {item!r}: expected '<stage><kind><microbatch>' with kind in "
-                "F, B, W, BW (e.g. '0F1', '1B0', '1W0')"
-            )
-        stage, microbatch = int(head), int(tail)
-    else:
         try:
-            stage, kind, microbatch = int(item.stage), str(item.kind), int(item.microbatch)  # type: ignore[attr-defined]
-        except AttributeError:
-            raise ValueError(
-                f"capture-order entry {item!r} is neither a string like '0F1' nor an action with "
-                "stage/kind/microbatch attributes"
-            ) from None
-        kind = kind.rsplit(".", 1)[-1]  # tolerate enum reprs such as 'ActionKind.F'
-        if kind not in (*_KINDS, "BW"):
-            raise ValueError(
-                f"capture-order entry {item!r} has unknown kind {kind!r}; expected F, B, W or BW"
-            )
-    if stage < 0 or microbatch < 0:
-        raise ValueError(f"capture-order entry {item!r}: stage and microbatch must be >= 0")
-    if kind == "BW":
-        return [GraphAction(stage, "B", microbatch), GraphAction(stage, "W", microbatch)]
-    return [GraphAction(stage, kind, microbatch)]
+            return parse_action(item)
+        except ValueError as exc:
+            raise ValueError(f"cannot parse capture-order entry {item!r}: {exc}") from None
+    try:
+        stage, kind, microbatch = item.stage, item.kind, item.microbatch  # type: ignore[attr-defined]
+    except AttributeError:
+        raise ValueError(
+            f"capture-order entry {item!r} is neither a string like '0F1' nor an action with "
+            "stage/kind/microbatch attributes"
+        ) from None
+    name = str(getattr(kind, "value", kind)).rsplit(".", 1)[-1]  # tolerate enum reprs such as 'ActionKind.F'
+    text = f"{int(stage)}{name}" + ("" if microbatch is None else str(int(microbatch)))
+    try:
+        return parse_action(text)
+    except ValueError:
+        raise ValueError(
+            f"capture-order entry {item!r} has unknown kind {name!r}; expected F, B, W, BW, R or RF"
+        ) from None
+
+
+def _parse(item: object) -> list[GraphAction]:
+    """One order entry -> its capture steps, read with the pipeline's action grammar
+    (:func:`splitgrad.pipeline.actions.parse_action`).
+
+    ``BW`` captures ``B`` then ``W``; an overlapped pair (``"0F3+3BW1"``) captures both parts, forward first;
+    gradient-sync points (``"0R"``, ``"0RF"``) capture nothing.
+    """
+    from ..pipeline.actions import SYNC_KINDS, ActionKind
+
+    steps: list[GraphAction] = []
+    for part in _as_action(item).parts:
+        if part.kind in SYNC_KINDS:
+            continue
+        if part.stage < 0 or part.microbatch is None or part.microbatch < 0:
+            raise ValueError(f"capture-order entry {item!r}: stage and microbatch must be >= 0")
+        kinds = ("B", "W") if part.kind is ActionKind.BW else (part.kind.value,)
+        steps.extend(GraphAction(part.stage, kind, part.microbatch) for kind in kinds)
+    return steps
 
 
 def default_order(defers: Sequence[bool]) -> list[GraphAction]:

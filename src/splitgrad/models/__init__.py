@@ -8,7 +8,7 @@ from .data import CharCorpus, CharTokenizer, TokenDataset, load_char_corpus, std
 from .gpt import GPT, lm_loss
 from .moe import AuxLossInjector, MoEGPT, MoEMLP, moe_aux_loss, moe_layers, set_aux_loss_scale
 from .reference import ReferenceModel, reference_twin
-from .stages import PipelineStage, split_into_stages, stage_layer_counts
+from .stages import StageModule, split_into_stages, stage_layer_counts
 
 __all__ = [
     "GPT",
@@ -19,8 +19,8 @@ __all__ = [
     "MoEConfig",
     "MoEGPT",
     "MoEMLP",
-    "PipelineStage",
     "ReferenceModel",
+    "StageModule",
     "TokenDataset",
     "lm_loss",
     "load_char_corpus",
@@ -32,3 +32,18 @@ __all__ = [
     "stage_layer_counts",
     "stdlib_text",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (it collided with torch.distributed.pipelining.PipelineStage, which the adapter subclasses);
+    # the old name keeps working for a while, with a warning.
+    if name == "PipelineStage":
+        import warnings
+
+        warnings.warn(
+            "splitgrad.models.PipelineStage is now splitgrad.models.StageModule",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return StageModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,12 +30,12 @@ from torch import nn
 
 from .gpt import GPT
 
-__all__ = ["PipelineStage", "split_into_stages", "stage_layer_counts"]
+__all__ = ["StageModule", "split_into_stages", "stage_layer_counts"]
 
 logger = logging.getLogger(__name__)
 
 
-class PipelineStage(nn.Module):
+class StageModule(nn.Module):
     """One contiguous slice of a GPT: optional embedding, some blocks, optional head.
 
     Attributes:
@@ -76,7 +76,7 @@ class PipelineStage(nn.Module):
             x = self.embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(
-                f"PipelineStage {self.index}: expected activations (batch, seq, {self.hidden_size}), got shape "
+                f"StageModule {self.index}: expected activations (batch, seq, {self.hidden_size}), got shape "
                 f"{tuple(x.shape)}"
             )
         for block in self.blocks.values():
@@ -118,8 +118,8 @@ def stage_layer_counts(num_layers: int, n_stages: int) -> list[int]:
 
 def split_into_stages(
     model: GPT, n_stages: int, *, layers_per_stage: Sequence[int] | None = None
-) -> list[PipelineStage]:
-    """Cut ``model`` into ``n_stages`` contiguous :class:`PipelineStage`\\ s (see the module docstring).
+) -> list[StageModule]:
+    """Cut ``model`` into ``n_stages`` contiguous :class:`StageModule`\\ s (see the module docstring).
 
     Args:
         model: a :class:`~splitgrad.models.GPT` or :class:`~splitgrad.models.MoEGPT`.
@@ -155,7 +155,7 @@ def split_into_stages(
             )
     stages, start = [], 0
     for i, count in enumerate(counts):
-        stages.append(PipelineStage(model, i, n_stages, range(start, start + count)))
+        stages.append(StageModule(model, i, n_stages, range(start, start + count)))
         start += count
     logger.debug("split %s into %d stages: layers per stage %s", type(model).__name__, n_stages, counts)
     return stages

@@ -1,21 +1,14 @@
-"""User-facing ``nn.Module``s with a splittable backward (one per file)."""
+"""User-facing ``nn.Module``s with a splittable backward (one per file).
+
+Each runs its own autograd Function (private: ``_LinearFunction`` and so on); the contract they share is
+:class:`splitgrad.core.SplitModule`.
+"""
 
 from __future__ import annotations
 
-from ..core import SplitModule
-from .grouped_linear import GroupedLinear, GroupedLinearFunction
-from .layernorm_linear import LayerNormLinear, LayerNormLinearFunction
-from .layernorm_mlp import LayerNormMLP, LayerNormMLPFunction
-from .linear import Linear, LinearFunction
+from .grouped_linear import GroupedLinear
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear
 
-__all__ = [
-    "GroupedLinear",
-    "GroupedLinearFunction",
-    "LayerNormLinear",
-    "LayerNormLinearFunction",
-    "LayerNormMLP",
-    "LayerNormMLPFunction",
-    "Linear",
-    "LinearFunction",
-    "SplitModule",
-]
+__all__ = ["GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Linear"]

@@ -12,10 +12,10 @@ from ..functional.init import linear_init_
 from ..functional.split_sizes import check_split_sizes
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
-__all__ = ["GroupedLinear", "GroupedLinearFunction"]
+__all__ = ["GroupedLinear"]
 
 
-class GroupedLinearFunction(torch.autograd.Function):
+class _GroupedLinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`GroupedLinear`.
 
     Shapes: ``x: (tokens, in)`` split by rows into ``m_splits``; ``weights[i]: (out, in)``,
@@ -158,7 +158,7 @@ class GroupedLinear(SplitModule):
         splits = self._check_splits(x, m_splits)
         params = [*self.weights, *(self.biases if self.use_bias else ())]
         x2 = x.reshape(-1, self.in_features)
-        y = self.apply_function(GroupedLinearFunction, x2, splits, self, *params)
+        y = self.apply_function(_GroupedLinearFunction, x2, splits, self, *params)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:

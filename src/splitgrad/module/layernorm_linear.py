@@ -11,10 +11,10 @@ from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
 from ._linear_wgrad import hand_over_linear_wgrad
 
-__all__ = ["LayerNormLinear", "LayerNormLinearFunction"]
+__all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinearFunction(torch.autograd.Function):
+class _LayerNormLinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`LayerNormLinear`.
 
     Shapes: ``x: (..., in)``, ``ln_weight/ln_bias: (in,)``, ``weight: (out, in)``, ``bias: (out,) | None`` ->
@@ -145,7 +145,7 @@ class LayerNormLinear(SplitModule):
         """``x: (..., in_features)`` -> ``(..., out_features)`` (and ``ln_out: (..., in_features)``)."""
         self._check_last_dim(x, self.in_features, "in_features")
         return self.apply_function(
-            LayerNormLinearFunction,
+            _LayerNormLinearFunction,
             x,
             self.layer_norm_weight,
             self.layer_norm_bias,

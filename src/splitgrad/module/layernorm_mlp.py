@@ -12,10 +12,10 @@ from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
-__all__ = ["LayerNormMLP", "LayerNormMLPFunction"]
+__all__ = ["LayerNormMLP"]
 
 
-class LayerNormMLPFunction(torch.autograd.Function):
+class _LayerNormMLPFunction(torch.autograd.Function):
     """Autograd Function of :class:`LayerNormMLP`.
 
     Shapes: ``x: (..., hidden)``, ``fc1_weight: (F1, hidden)`` with ``F1 = ffn`` or ``2 * ffn`` (gated),
@@ -169,7 +169,7 @@ class LayerNormMLP(SplitModule):
         """``x: (..., hidden_size)`` -> ``(..., hidden_size)``."""
         self._check_last_dim(x, self.hidden_size, "hidden_size")
         return self.apply_function(
-            LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
+            _LayerNormMLPFunction, x, self.layer_norm_weight, self.layer_norm_bias,
             self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, self,
         )  # fmt: skip
 

@@ -10,10 +10,10 @@ from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ._linear_wgrad import hand_over_linear_wgrad
 
-__all__ = ["Linear", "LinearFunction"]
+__all__ = ["Linear"]
 
 
-class LinearFunction(torch.autograd.Function):
+class _LinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`Linear`; backward splits dgrad from wgrad through ``owner``.
 
     Shapes: ``x: (..., in)``, ``weight: (out, in)``, ``bias: (out,) | None`` -> ``y: (..., out)``.
@@ -92,7 +92,7 @@ class Linear(SplitModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` -> ``(..., out_features)``."""
         self._check_last_dim(x, self.in_features, "in_features")
-        return self.apply_function(LinearFunction, x, self.weight, self.bias, self)
+        return self.apply_function(_LinearFunction, x, self.weight, self.bias, self)
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]

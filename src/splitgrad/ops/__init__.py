@@ -4,6 +4,9 @@ TE's ``te.ops`` contract (``op_forward`` / ``op_backward`` returning gradients, 
 functions ``list[op] -> list[op]``, a drop-in ``Sequential``) with splitgrad's split backward on the linear ops:
 ``delay_wgrad_compute``, ``backward_dw``, ``register_wgrad_accumulation_and_reduce_hooks`` and
 ``get_backward_dw_params`` on ``BasicLinear``, ``GroupedLinear``, ``Linear`` and ``Sequential``.
+
+The built-in fused ops and fusion functions are in :mod:`splitgrad.ops.fused` (``ops.default_fusions()`` is
+the registry of them).
 """
 
 from __future__ import annotations
@@ -21,13 +24,8 @@ from .basic import (
     SiLU,
     SwiGLU,
 )
-from .fused import (
-    BackwardActivationBias,
-    ForwardLinearBiasActivation,
-    fuse_backward_activation_bias,
-    fuse_forward_linear_bias_activation,
-)
-from .fuser import FusionFn, FusionRegistry, OperationFuser, default_fusions
+from .fused import default_fusions
+from .fuser import FusionFn, FusionRegistry, OperationFuser
 from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential, WgradHookHandles
@@ -36,11 +34,9 @@ __all__ = [
     "GEGLU",
     "GELU",
     "Activation",
-    "BackwardActivationBias",
     "BasicLinear",
     "BasicOperation",
     "Bias",
-    "ForwardLinearBiasActivation",
     "FusedOperation",
     "FusibleOperation",
     "FusionFn",
@@ -57,6 +53,4 @@ __all__ = [
     "SwiGLU",
     "WgradHookHandles",
     "default_fusions",
-    "fuse_backward_activation_bias",
-    "fuse_forward_linear_bias_activation",
 ]

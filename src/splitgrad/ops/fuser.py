@@ -23,13 +23,14 @@ import torch
 
 from ..core import split_backward
 from ..core.compile import apply_outside_compile
-from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
+from .context import Fusible, OperationContext, PlanOp
 
-__all__ = ["FusionFn", "FusionRegistry", "OperationFuser", "default_fusions"]
+__all__ = ["FusionFn", "FusionRegistry", "OperationFuser"]
 
 logger = logging.getLogger(__name__)
 
-Op = BasicOperation | FusedOperation
+# A basic op (``ops.op.BasicOperation``) or a fused op (``ops.op.FusedOperation``), seen structurally.
+Op = PlanOp
 #: A fusion: rewrites a list of ops (forward order) into an equivalent list with some windows fused.
 FusionFn = Callable[[list[Op]], list[Op]]
 
@@ -37,7 +38,7 @@ FusionFn = Callable[[list[Op]], list[Op]]
 class FusionRegistry:
     """Ordered forward and backward fusion functions, applied one after the other.
 
-    Each :class:`~splitgrad.ops.Sequential` owns one (``seq.fusions``); :func:`default_fusions` builds the
+    Each :class:`~splitgrad.ops.Sequential` owns one (``seq.fusions``); :func:`~splitgrad.ops.default_fusions` builds the
     built-in set. An empty registry (``FusionRegistry()``) runs every op unfused.
 
     Args:
@@ -82,28 +83,19 @@ def _check_callable(fn: Any) -> FusionFn:
     return fn
 
 
-def default_fusions() -> FusionRegistry:
-    """A fresh registry with the built-in fusions (Linear+Bias[+activation] forward, activation+bias backward)."""
-    from .fused import fuse_backward_activation_bias, fuse_forward_linear_bias_activation
-
-    return FusionRegistry(
-        forward=[fuse_forward_linear_bias_activation], backward=[fuse_backward_activation_bias]
-    )
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Layout:
     """A fuser's basic ops and where each one's extra inputs sit in a call's ``extra_inputs``."""
 
     #: The basic ops in forward order.
-    ops: list[BasicOperation]
+    ops: list[Fusible]
     #: ``(start, stop)`` into ``extra_inputs`` per basic op.
     extra_spans: list[tuple[int, int]]
     #: How many extra inputs a call takes in all.
     n_extra: int
 
     @classmethod
-    def of(cls, ops: Iterable[BasicOperation]) -> _Layout:
+    def of(cls, ops: Iterable[Fusible]) -> _Layout:
         ops, spans, pos = list(ops), [], 0
         for op in ops:
             spans.append((pos, pos + op.num_extra_inputs))
@@ -120,11 +112,11 @@ class _Plan:
         self.steps = steps
 
 
-def _make_plan(basic: list[BasicOperation], fusions: Sequence[FusionFn], kind: str) -> _Plan:
+def _make_plan(basic: list[Fusible], fusions: Sequence[FusionFn], kind: str) -> _Plan:
     ops: list[Op] = list(basic)
     for fn in fusions:
         ops = list(fn(list(ops)))
-        strays = [type(op).__name__ for op in ops if not isinstance(op, (BasicOperation, FusedOperation))]
+        strays = [type(op).__name__ for op in ops if not isinstance(op, PlanOp)]
         if strays:
             raise TypeError(f"{kind} fusion {getattr(fn, '__name__', fn)!r} returned non-ops: {strays}")
         flat = [b for op in ops for b in op.basic_ops()]
@@ -152,13 +144,13 @@ class OperationFuser:
     in order (``GroupedLinear``'s split sizes).
     """
 
-    def __init__(self, ops: Sequence[FusibleOperation], fusions: FusionRegistry | None = None) -> None:
+    def __init__(self, ops: Sequence[Fusible], fusions: FusionRegistry | None = None) -> None:
         self.ops = list(ops)
         self.fusions = FusionRegistry() if fusions is None else fusions
         self._plans: tuple[int, _Layout, _Plan, _Plan] | None = None
 
     @property
-    def basic_ops(self) -> list[BasicOperation]:
+    def basic_ops(self) -> list[Fusible]:
         return list(self.plans()[0].ops)
 
     @property
@@ -221,7 +213,7 @@ class _State:
     )
 
     def __init__(self, basic, forward_plan, backward_plan, extra_inputs, n_params, grad_enabled) -> None:
-        self.basic: list[BasicOperation] = basic
+        self.basic: list[Fusible] = basic
         self.forward_plan: _Plan = forward_plan
         self.backward_plan: _Plan = backward_plan
         self.extra_inputs: list[tuple[Any, ...]] = extra_inputs

@@ -12,6 +12,8 @@ from ..core import WeightGradStore
 from ..functional.init import linear_init_
 from .basic.basic_linear import BasicLinear
 from .basic.bias import Bias
+from .fused import default_fusions
+from .fuser import FusionRegistry
 from .op import BasicOperation, FusibleOperation
 
 __all__ = ["Linear"]
@@ -90,6 +92,10 @@ class Linear(FusibleOperation):
 
     def pre_forward(self) -> None:
         self._link()
+
+    def standalone_fusions(self) -> FusionRegistry:
+        # Called on its own, the pair BasicLinear + Bias fuses into one addmm, as inside a Sequential.
+        return default_fusions()
 
     # -- the split-backward API of the inner BasicLinear ---------------------------------------------------
     @property

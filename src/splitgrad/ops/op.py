@@ -22,46 +22,17 @@ i.e. one autograd Function per run of consecutive ops.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .context import OperationContext, ParamGrads
+
+if TYPE_CHECKING:
+    from .fuser import FusionRegistry
+
 __all__ = ["BasicOperation", "FusedOperation", "FusibleOperation", "OperationContext", "ParamGrads"]
-
-#: What ``op_backward`` returns for the parameters: one entry (or None) per :meth:`BasicOperation.op_parameters`.
-ParamGrads = Sequence[torch.Tensor | None]
-
-
-class OperationContext:
-    """One basic op's state between its forward and its backward (one instance per op per forward).
-
-    Ops keep tensors only through :meth:`save_for_backward` (the fuser passes them to autograd's
-    ``save_for_backward``, so in-place changes are detected and memory is freed with the graph); plain Python
-    values (flags, split sizes) may be set as attributes.
-
-    Attributes:
-        input_requires_grad: backward must return ``dx`` (some earlier op or the input needs a gradient).
-        weight_requires_grad: some parameter of this op needs a gradient.
-        saved_tensors: in backward, what the forward saved (in order).
-        create_graph: in backward, whether it runs with ``create_graph=True``.
-    """
-
-    def __init__(self, input_requires_grad: bool = False, weight_requires_grad: bool = False) -> None:
-        self.input_requires_grad = input_requires_grad
-        self.weight_requires_grad = weight_requires_grad
-        self.to_save: tuple[torch.Tensor | None, ...] = ()
-        self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
-        self.create_graph = False
-
-    @property
-    def requires_grad(self) -> bool:
-        """Whether this op takes part in backward at all (so whether to save anything)."""
-        return self.input_requires_grad or self.weight_requires_grad
-
-    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
-        """Keep ``tensors`` for backward (replaces anything saved before in this forward)."""
-        self.to_save = tensors
 
 
 class FusibleOperation(nn.Module):
@@ -87,11 +58,17 @@ class FusibleOperation(nn.Module):
         """Run this operation alone: ``x: (..., features_in)`` -> ``(..., features_out)``."""
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
-            from .fuser import OperationFuser, default_fusions
+            # Imported here: the fuser runs ops but never imports this module (one-way dependency).
+            from .fuser import OperationFuser
 
-            fuser = OperationFuser([self], fusions=default_fusions())
+            fuser = OperationFuser([self], fusions=self.standalone_fusions())
             self.__dict__["_standalone_fuser"] = fuser
         return fuser(x, extra_inputs)
+
+    def standalone_fusions(self) -> FusionRegistry | None:
+        """The fusions applied when this op is called on its own (default None: a single basic op has
+        nothing to fuse with; composite ops such as ``ops.Linear`` return :func:`~splitgrad.ops.default_fusions`)."""
+        return None
 
     def _describe(self) -> str:
         return f"ops.{type(self).__name__}({self.extra_repr()})"

@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..core import split_modules
-from .fuser import FusionRegistry, OperationFuser, default_fusions
+from .fused import default_fusions
+from .fuser import FusionRegistry, OperationFuser
 from .op import FusibleOperation
 
 __all__ = ["Sequential", "WgradHookHandles"]
@@ -53,7 +54,7 @@ class Sequential(nn.Sequential):
 
     Args:
         *args: modules in order (or one ``OrderedDict`` of them, as ``nn.Sequential``).
-        fusions: the fusion functions to apply (default: a fresh :func:`~splitgrad.ops.fuser.default_fusions`
+        fusions: the fusion functions to apply (default: a fresh :func:`~splitgrad.ops.default_fusions`
             registry, reachable as ``seq.fusions``; ``FusionRegistry()`` runs every op unfused).
 
     Call as ``seq(x, *extra_inputs)`` with ``x: (..., features)``; ``extra_inputs`` are the ops' extra inputs

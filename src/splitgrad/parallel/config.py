@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,6 +61,27 @@ class DDPConfig:
             )
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"DDPConfig: timeout must be positive seconds or None, got {self.timeout=}")
+
+    @classmethod
+    def from_options(cls, config: DDPConfig | None, options: dict[str, Any], *, owner: str) -> DDPConfig:
+        """``config``, or a config built from keyword ``options`` (the fields, by name); never both.
+
+        Raises:
+            ValueError: both given, ``config`` of another type, or an option that is not a field (named).
+        """
+        if config is not None and options:
+            raise ValueError(
+                f"{owner}: pass config=DDPConfig(...) or keyword options, not both; got {sorted(options)}"
+            )
+        if config is not None:
+            if not isinstance(config, cls):
+                raise ValueError(f"{owner}: config must be a DDPConfig, got {type(config).__name__}")
+            return config
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            known = sorted(f.name for f in dataclasses.fields(cls))
+            raise ValueError(f"{owner}: unknown option(s) {unknown}; DDPConfig fields: {known}")
+        return cls(**options)
 
     @property
     def resolved_bucket_size(self) -> int:

@@ -57,8 +57,15 @@ class DistributedDataParallel(nn.Module):
         module: the model; available as ``.module``. Call it through this wrapper (``ddp(x)``): the wrapper
             reads each forward's autograd graph to know how many gradient contributions to wait for.
         process_group: the data-parallel group; None: the default (world) group.
-        bucket_size, overlap_grad_reduce, grad_reduce_dtype, average_in_collective, reduce_scatter,
-        allow_unused_parameters, expose_grads, broadcast_at_init, timeout: see :class:`DDPConfig`.
+        config: the options (:class:`DDPConfig`, one docstring per field); None: the defaults.
+        **options: :class:`DDPConfig` fields as keyword arguments instead (``bucket_size=...``), a shorthand
+            for ``config=DDPConfig(...)``; not both.
+
+    Raises:
+        ValueError: ``config`` and keyword options together, an option :class:`DDPConfig` does not have, an
+            invalid option value (see :class:`DDPConfig`), no trainable parameters, parameters that
+            already have ``.grad`` or ``main_grad``.
+        RuntimeError: torch.distributed is not initialised, or wgrad work is pending in ``module``.
     """
 
     def __init__(
@@ -66,29 +73,12 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_size: int | None = None,
-        overlap_grad_reduce: bool = True,
-        grad_reduce_dtype: torch.dtype | None = torch.float32,
-        average_in_collective: bool = True,
-        reduce_scatter: bool = False,
-        allow_unused_parameters: bool = False,
-        expose_grads: bool = True,
-        broadcast_at_init: bool = True,
-        timeout: float | None = None,
+        config: DDPConfig | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
         self._closed = False
-        self.config = DDPConfig(
-            bucket_size=bucket_size,
-            overlap_grad_reduce=overlap_grad_reduce,
-            grad_reduce_dtype=grad_reduce_dtype,
-            average_in_collective=average_in_collective,
-            reduce_scatter=reduce_scatter,
-            allow_unused_parameters=allow_unused_parameters,
-            expose_grads=expose_grads,
-            broadcast_at_init=broadcast_at_init,
-            timeout=timeout,
-        )
+        self.config = DDPConfig.from_options(config, options, owner="DistributedDataParallel")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs torch.distributed initialised (init_process_group)"

@@ -1,6 +1,7 @@
 """Pipeline schedules as data: actions, schedule builders, validation, simulation and timelines.
 
-Nothing here starts processes or imports torch; a runtime interprets the :class:`Schedule` objects built here.
+Nothing here starts processes or imports torch until a runtime name is used; a runtime interprets the
+:class:`Schedule` objects built here.
 
 Typical use::
 
@@ -11,108 +12,103 @@ Typical use::
     result = simulate(sched, f=1.0, b=1.0, w=1.0)
     print(result.bubble_ratio, result.peak_activations)
     print(result.to_ascii())
+
+The rest lives in its submodule: the action grammar and overlapped pairs in :mod:`~splitgrad.pipeline.actions`
+(``parse_action``, ``OverlapAction``), builders and the name list in :mod:`~splitgrad.pipeline.schedules`
+(``zb_h1``, ``schedule_names()``), passes in :mod:`~splitgrad.pipeline.passes` (``add_grad_sync``), renderers
+in :mod:`~splitgrad.pipeline.timeline`, diagnostics in :mod:`~splitgrad.pipeline.validate`, measurement in
+:mod:`~splitgrad.pipeline.measure`.
 """
 
 from __future__ import annotations
 
-from .actions import (
-    COMPUTE_KINDS,
-    SYNC_KINDS,
-    Action,
-    ActionKind,
-    AnyAction,
-    OverlapAction,
-    Schedule,
-    ScheduleError,
-    Transfer,
-    parse_action,
-)
-from .passes import add_grad_sync, has_grad_sync, strip_grad_sync
-from .schedules import (
-    SCHEDULES,
-    AutoCandidate,
-    auto_candidates,
-    build_schedule,
-    dualpipev,
-    gpipe,
-    greedy_schedule,
-    interleaved_1f1b,
-    one_f_one_b,
-    schedule_names,
-    schedule_options,
-    zb_auto,
-    zb_h1,
-    zb_h2,
-    zbv,
-)
+import importlib
+import warnings
+from typing import TYPE_CHECKING
+
+from .actions import Action, ActionKind, Schedule, ScheduleError
+from .schedules import build_schedule
 from .simulate import SimulationResult, simulate
-from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace, write_chrome_trace
-from .validate import channel_order_problems, find_problems, render_listing, validate
+from .validate import validate
+
+if TYPE_CHECKING:  # type checkers and IDEs see the lazy runtime names as ordinary imports
+    from .build import build_runtime, pipeline_groups
+    from .runtime import PipelineRuntime, StepResult
 
 __all__ = [
-    "COMPUTE_KINDS",
-    "SCHEDULES",
-    "SYNC_KINDS",
     "Action",
     "ActionKind",
-    "AnyAction",
-    "AutoCandidate",
-    "OverlapAction",
+    "PipelineRuntime",
     "Schedule",
     "ScheduleError",
     "SimulationResult",
-    "TimelineEvent",
-    "Transfer",
-    "add_grad_sync",
-    "auto_candidates",
+    "StepResult",
+    "build_runtime",
     "build_schedule",
-    "channel_order_problems",
-    "dualpipev",
-    "find_problems",
-    "gpipe",
-    "greedy_schedule",
-    "has_grad_sync",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "parse_action",
-    "render_ascii",
-    "render_listing",
-    "save_png",
-    "schedule_names",
-    "schedule_options",
+    "pipeline_groups",
     "simulate",
-    "strip_grad_sync",
-    "to_chrome_trace",
     "validate",
-    "write_chrome_trace",
-    "zb_auto",
-    "zb_h1",
-    "zb_h2",
-    "zbv",
 ]
 
-# -- runtime (torch.distributed): loaded on first use, so the schedule tools above stay light ------------
-_RUNTIME_EXPORTS = {
-    "PipelineGroups": "build",
+# The runtime (torch.distributed) loads on first use, so the schedule tools above stay light.
+_RUNTIME = {
     "PipelineRuntime": "runtime",
     "StepResult": "runtime",
     "build_runtime": "build",
-    "idle_breakdown": "measure",
-    "bubble_report": "measure",
-    "measured_bubble_ratio": "measure",
     "pipeline_groups": "build",
-    "save_measured_timeline": "measure",
-    "sequential_stages": "build",
-    "simulate_measured": "measure",
+}
+
+# Names this package exported before issue 12 trimmed it, and where they live now. They keep working for a
+# while, with a DeprecationWarning naming the new import.
+_MOVED = {
+    **dict.fromkeys(
+        ("COMPUTE_KINDS", "SYNC_KINDS", "AnyAction", "OverlapAction", "Transfer", "parse_action"), "actions"
+    ),
+    **dict.fromkeys(("add_grad_sync", "has_grad_sync", "strip_grad_sync"), "passes"),
+    **dict.fromkeys(
+        (
+            "AutoCandidate",
+            "auto_candidates",
+            "dualpipev",
+            "gpipe",
+            "greedy_schedule",
+            "interleaved_1f1b",
+            "one_f_one_b",
+            "schedule_names",
+            "schedule_options",
+            "zb_auto",
+            "zb_h1",
+            "zb_h2",
+            "zbv",
+        ),
+        "schedules",
+    ),
+    **dict.fromkeys(
+        ("TimelineEvent", "render_ascii", "save_png", "to_chrome_trace", "write_chrome_trace"), "timeline"
+    ),
+    **dict.fromkeys(("channel_order_problems", "find_problems", "render_listing"), "validate"),
+    "SCHEDULES": "schedules.registry",
+    **dict.fromkeys(("PipelineGroups", "sequential_stages"), "build"),
+    **dict.fromkeys(
+        (
+            "idle_breakdown",
+            "bubble_report",
+            "measured_bubble_ratio",
+            "save_measured_timeline",
+            "simulate_measured",
+        ),
+        "measure",
+    ),
 }
 
 
-def __getattr__(name: str):
-    if name in _RUNTIME_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.{_RUNTIME_EXPORTS[name]}"), name)
+def __getattr__(name: str) -> object:
+    if name in _RUNTIME:
+        return getattr(importlib.import_module(f"{__name__}.{_RUNTIME[name]}"), name)
+    if name in _MOVED:
+        where = f"{__name__}.{_MOVED[name]}"
+        warnings.warn(
+            f"splitgrad.pipeline.{name} moved: import it from {where}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ += sorted(_RUNTIME_EXPORTS)

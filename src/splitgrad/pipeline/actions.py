@@ -8,7 +8,7 @@ the profiler range a runtime opens for it.
 Two more kinds make what a runtime does around the compute part of the schedule (torch.pipelining's
 ``REDUCE_GRAD``): gradient-sync points ``R`` ("the stage's data-parallel reductions may start from here") and
 ``RF`` ("finish the stage's reductions"), without a microbatch (``"0R"``, ``"0RF"``); see
-:func:`splitgrad.pipeline.add_grad_sync`. An :class:`OverlapAction` (torch's ``OVERLAP_F_B``, DualPipe's
+:func:`splitgrad.pipeline.passes.add_grad_sync`. An :class:`OverlapAction` (torch's ``OVERLAP_F_B``, DualPipe's
 ``overlapped_forward_backward``) holds an ``F`` and a ``B``/``BW`` of other microbatches on the same rank that run
 as one unit: ``"0F3+3BW1"``.
 

@@ -5,7 +5,7 @@ the runtime on 1F1B with split backward (exact gradients, every ``F``/``B``/``W`
 a :class:`ProfileGuidedPlanner`. After ``profile_steps`` steps it gathers from every pipeline rank the median
 ``F``, ``B``, ``W`` time of its stage, the shortest receive wait (the point-to-point latency without waiting
 for a producer) and the bytes one microbatch keeps from ``F`` to ``B`` (``M_B``) and from ``B`` to ``W`` (the
-bundle's operands, ``M_W``); plans :func:`~splitgrad.pipeline.zb_auto` with those costs, ``w_memory = M_W /
+bundle's operands, ``M_W``); plans :func:`~splitgrad.pipeline.schedules.zb_auto` with those costs, ``w_memory = M_W /
 M_B`` and the memory budget; and installs the plan on every rank (:meth:`PipelineRuntime.install_schedule`).
 :attr:`ProfileGuidedPlanner.plan` records what was measured, the plan and its predicted bubble, to compare
 with the measured one (:meth:`PipelineRuntime.timeline_report`).

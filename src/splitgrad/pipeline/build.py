@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
@@ -22,6 +22,9 @@ from torch import nn
 from .actions import Schedule
 from .executor import LossFn
 from .runtime import PipelineRuntime, resolve_pipeline_rank
+
+if TYPE_CHECKING:
+    from ..parallel.config import DDPConfig
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 
@@ -107,7 +110,7 @@ def build_runtime(
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     schedule_options: dict[str, Any] | None = None,
-    ddp_options: dict[str, Any] | None = None,
+    ddp: DDPConfig | None = None,
     **runtime_options: Any,
 ) -> PipelineRuntime:
     """Build this rank's :class:`PipelineRuntime` from all the model's stages.
@@ -125,8 +128,10 @@ def build_runtime(
         n_microbatches: microbatches per step, for a schedule given by name.
         pp_group: the pipeline group (None: the default group).
         dp_group: a data-parallel group: wrap each local stage in
-            :class:`splitgrad.parallel.DistributedDataParallel` over it (``ddp_options`` are its keyword
-            arguments). Zero its gradients with ``runtime.zero_grad()``.
+            :class:`splitgrad.parallel.DistributedDataParallel` over it, configured by ``ddp``. Zero its
+            gradients with ``runtime.zero_grad()``.
+        ddp: the data-parallel wrapper's options (:class:`splitgrad.parallel.DDPConfig`); None: its defaults.
+            Needs ``dp_group``.
         schedule_options: options of the schedule family (e.g. ``{"split_backward": True}``).
         **runtime_options: the remaining :class:`PipelineRuntime` keyword arguments.
     """
@@ -177,12 +182,9 @@ def build_runtime(
     if dp_group is not None:
         from ..parallel import DistributedDataParallel
 
-        mine = {
-            s: DistributedDataParallel(m, process_group=dp_group, **(ddp_options or {}))
-            for s, m in mine.items()
-        }
-    elif ddp_options:
-        raise ValueError("build_runtime: ddp_options need a dp_group")
+        mine = {s: DistributedDataParallel(m, process_group=dp_group, config=ddp) for s, m in mine.items()}
+    elif ddp is not None:
+        raise ValueError(f"build_runtime: ddp={ddp!r} needs a dp_group (data parallelism over some group)")
     runtime = PipelineRuntime(
         mine, schedule, loss_fn=loss_fn, rank=rank, pp_group=pp_group, **runtime_options
     )

@@ -1,6 +1,6 @@
 """Point-to-point transport of a pipeline runtime: activations forward, input gradients backward.
 
-One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.Transfer` of a
+One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.actions.Transfer` of a
 :class:`~splitgrad.pipeline.Schedule` over ``torch.distributed`` (``batch_isend_irecv``: gloo on CPU, NCCL on
 accelerators). Rules, all derived from the schedule so both ends agree without talking:
 

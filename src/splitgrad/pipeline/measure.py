@@ -3,7 +3,7 @@
 Each rank records the start and end of every action it runs (and of every receive it waits for) with
 ``time.perf_counter`` relative to a step origin ``t0`` taken right after a barrier of the pipeline group, so
 all ranks share the origin up to the barrier's exit skew (tens of microseconds on one host). Events are
-:class:`~splitgrad.pipeline.TimelineEvent`\\ s in seconds, so the schedules' renderers draw measured and
+:class:`~splitgrad.pipeline.timeline.TimelineEvent`\\ s in seconds, so the schedules' renderers draw measured and
 simulated runs alike. The measured bubble ratio uses the simulator's definition (the rank with the longest
 span; ``(span - compute) / span``).
 """

@@ -8,7 +8,7 @@ capture bundle, ``W`` running exactly that bundle, ``BW``), times it
 
 Every action reaches its handler through one table (kind -> method), so a new kind touches the IR, the
 simulator and one handler. Data parallelism composes per stage, driven by the schedule's gradient-sync points
-(:func:`splitgrad.pipeline.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
+(:func:`splitgrad.pipeline.passes.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
 stage module with ``no_sync()`` and ``finish_grad_sync()`` (a :class:`splitgrad.parallel.DistributedDataParallel`)
 runs its actions inside ``no_sync()`` until its ``R`` point, so each bucket starts reducing as soon as its last
 contribution (often a ``W``) has run, and ``finish_grad_sync()`` runs at its ``RF`` point.
@@ -80,7 +80,7 @@ class PipelineRuntime:
             hidden)``); boundary tensors must be floating point. Build splitgrad layers with
             ``delay_wgrad_compute=True`` for ``W`` to do any work.
         schedule: the schedule every rank runs (validated here). Without gradient-sync points it is lowered
-            with :func:`~splitgrad.pipeline.add_grad_sync` when a local stage can sync gradients;
+            with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a local stage can sync gradients;
             :attr:`schedule` is what runs.
         loss_fn: ``loss_fn(last stage output, target) -> scalar`` for one microbatch; the step's loss is the
             mean over microbatches (gradients are scaled by ``1 / n_microbatches``).
@@ -174,7 +174,7 @@ class PipelineRuntime:
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
         """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
-        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.add_grad_sync` when a
+        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a
         local stage syncs gradients and the schedule has no sync points.
 
         Raises:
@@ -199,7 +199,7 @@ class PipelineRuntime:
         if unsynced:
             raise ValueError(
                 f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
-                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.add_grad_sync"
+                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.passes.add_grad_sync"
             )
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]

@@ -141,13 +141,13 @@ class SimulationResult:
         return out
 
     def to_ascii(self, **kwargs: Any) -> str:
-        """ASCII grid of the timeline; keyword arguments go to :func:`~splitgrad.pipeline.render_ascii`."""
+        """ASCII grid of the timeline; keyword arguments go to :func:`~splitgrad.pipeline.timeline.render_ascii`."""
         kwargs.setdefault("n_ranks", self.schedule.n_ranks)
         kwargs.setdefault("compact", self.schedule.n_stages == self.schedule.n_ranks)
         return render_ascii(self.events(), **kwargs)
 
     def to_chrome_trace(self, **kwargs: Any) -> dict[str, Any]:
-        """Chrome-trace / Perfetto JSON object; see :func:`~splitgrad.pipeline.to_chrome_trace`."""
+        """Chrome-trace / Perfetto JSON object; see :func:`~splitgrad.pipeline.timeline.to_chrome_trace`."""
         return to_chrome_trace(self.events(), **kwargs)
 
     def save_png(self, path: str | Path, **kwargs: Any) -> Path:

@@ -1,4 +1,5 @@
-"""Schedule builders, one module per family, and the name registry (:func:`build_schedule`)."""
+"""Schedule builders, one module per family, and the name registry: :func:`build_schedule` builds by name,
+:func:`schedule_names` is the one way to list the names (``registry.SCHEDULES`` is its private table)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,11 @@ from .auto import AutoCandidate, auto_candidates, greedy_schedule, zb_auto
 from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
-from .registry import SCHEDULES, build_schedule, schedule_names, schedule_options
+from .registry import build_schedule, schedule_names, schedule_options
 from .zbv import zbv
 from .zero_bubble import zb_h1, zb_h2
 
 __all__ = [
-    "SCHEDULES",
     "AutoCandidate",
     "auto_candidates",
     "build_schedule",

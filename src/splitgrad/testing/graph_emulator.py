@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .backend import GraphCaptureError, GraphReplayError
+from ..graphs.errors import GraphCaptureError, GraphReplayError
 
 try:  # storage-level weak references: "the memory was freed", not "this Python wrapper died"
     from torch.multiprocessing.reductions import StorageWeakRef

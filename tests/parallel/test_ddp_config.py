@@ -1,0 +1,66 @@
+"""DistributedDataParallel's options are one DDPConfig, given as ``config=`` or as keyword arguments.
+
+Why: the nine options used to be restated in the signature, the docstring and the body (issue 12); now the
+dataclass is the single source of truth, keyword arguments are forwarded into it, and ``build_runtime`` takes
+the same typed config (``ddp=``) instead of a dict. A one-rank gloo group in this process (no spawn).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import splitgrad
+from splitgrad.parallel import DDPConfig, DistributedDataParallel
+from splitgrad.pipeline import build_runtime
+from tests.helpers import one_rank_group
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    yield from one_rank_group(tmp_path_factory)
+
+
+def _layer() -> torch.nn.Module:
+    return splitgrad.Linear(4, 3, delay_wgrad_compute=True)
+
+
+def test_config_and_keywords_build_the_same_options(group):
+    config = DDPConfig(bucket_size=7, overlap_grad_reduce=False, timeout=30.0)
+    with DistributedDataParallel(_layer(), process_group=group, config=config) as a:
+        assert a.config is config
+    with DistributedDataParallel(
+        _layer(), process_group=group, bucket_size=7, overlap_grad_reduce=False, timeout=30.0
+    ) as b:
+        assert b.config == config
+    with DistributedDataParallel(_layer(), process_group=group) as c:
+        assert c.config == DDPConfig()
+        assert c.config != config  # negative check: the comparison can fail
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"config": DDPConfig(), "bucket_size": 7}, r"not both; got \['bucket_size'\]"),
+        ({"bucket_sise": 7}, r"unknown option\(s\) \['bucket_sise'\]; DDPConfig fields: \[.*'bucket_size'"),
+        ({"config": {"bucket_size": 7}}, r"config must be a DDPConfig, got dict"),
+        ({"bucket_size": 0}, r"bucket_size must be positive"),
+    ],
+)
+def test_bad_options_are_named(kwargs, match):
+    # Checked before torch.distributed is needed, so no group here.
+    with pytest.raises(ValueError, match=match):
+        DistributedDataParallel(_layer(), **kwargs)
+
+
+def test_build_runtime_takes_a_typed_config(group):
+    stages = [torch.nn.Sequential(_layer())]
+    with pytest.raises(ValueError, match=r"ddp=DDPConfig\(.*\) needs a dp_group"):
+        build_runtime(stages, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, ddp=DDPConfig(bucket_size=7))
+    rt = build_runtime(
+        stages, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, dp_group=group, ddp=DDPConfig(bucket_size=7)
+    )
+    (wrapped,) = rt.stages.values()
+    assert isinstance(wrapped, DistributedDataParallel) and wrapped.config == DDPConfig(bucket_size=7)
+    wrapped.close()

@@ -24,6 +24,7 @@ __all__ = [
     "hand_back",
     "module_fsdp_params",
     "reduce_group_now",
+    "unsharded_on_module",
     "unsharded_param",
 ]
 

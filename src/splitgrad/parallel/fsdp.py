@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from ..core import is_split_capable
-from . import _fsdp2_private as fsdp2
+from ._fsdp2_private import (
+    check_supported,
+    fsdp_param_groups,
+    hand_back,
+    module_fsdp_params,
+    reduce_group_now,
+    unsharded_on_module,
+    unsharded_param,
+)
 
 __all__ = ["FSDPReductionHandle", "defer_fsdp_reduction"]
 
@@ -47,7 +55,7 @@ class _DeferredGroup:
         """The wgrad hook: move the task's gradients aside, then reduce if this was the group's last task."""
         written = {id(p) for p in layer.get_backward_dw_params()}
         for name, fsdp_param in params.items():
-            unsharded = fsdp2.unsharded_param(fsdp_param)
+            unsharded = unsharded_param(fsdp_param)
             if unsharded is None or unsharded.grad is None:
                 continue
             # get_backward_dw_params() reads the layer's attributes, which hold the sharded parameter again.
@@ -66,7 +74,7 @@ class _DeferredGroup:
                 "%s: last deferred wgrad task ran; reduce-scattering %d gradients", self.name, len(self.held)
             )
             held, self.held = self.held, {}
-            fsdp2.reduce_group_now(self.group, held)
+            reduce_group_now(self.group, held)
 
 
 class FSDPReductionHandle:
@@ -94,7 +102,7 @@ class FSDPReductionHandle:
         for g in self._groups:
             held, g.held = g.held, {}
             for fsdp_param, grad in held.items():
-                fsdp2.hand_back(fsdp_param, grad)
+                hand_back(fsdp_param, grad)
                 n += 1
         return n
 
@@ -146,7 +154,7 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
             "torch.distributed.fsdp.fully_shard first"
         )
     for _, module in fsdp_modules:
-        fsdp2.check_supported(module)
+        check_supported(module)
     groups: dict[int, _DeferredGroup] = {}
     handles: list = []
     plans = []
@@ -157,8 +165,8 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
         found = [
             (fsdp_name, group, params)
             for fsdp_name, module in fsdp_modules
-            for group in fsdp2.fsdp_param_groups(module)
-            if (params := fsdp2.module_fsdp_params(group, layer))
+            for group in fsdp_param_groups(module)
+            if (params := module_fsdp_params(group, layer))
         ]
         if not found:
             continue  # not sharded by FSDP2: nothing to do
@@ -186,7 +194,7 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
         layers_by_handle.append(layer)
         handles.append(
             layer.wgrad_store.compute_contexts.register(
-                lambda layer=layer, params=params: fsdp2.unsharded_on_module(layer, params)
+                lambda layer=layer, params=params: unsharded_on_module(layer, params)
             )
         )
         handles.append(

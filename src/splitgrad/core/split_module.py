@@ -14,6 +14,7 @@ wrapper learns a gradient is ready. See ``docs/core.md`` for a complete custom l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .bundle import active_bundle
+from .compile import apply_outside_compile
 from .routing import WgradRoute, wgrad_route
 from .store import WeightGradStore
 from .task import WgradTask
@@ -80,20 +82,22 @@ class SplitModule(nn.Module):
             RuntimeError: the layer splits its wgrad inside ``torch.nn.parallel.DistributedDataParallel``'s
                 forward (torch DDP's reducer never sees gradients written outside autograd).
         """
+        apply = function.apply
         if self.splits_wgrad():
             _refuse_torch_ddp(self._describe())
+            apply = functools.partial(apply_outside_compile, function)  # torch.compile: core/compile.py
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self._check_same_device(tensors[0], tensors[1:])
         device_type = tensors[0].device.type
         # "meta" (deferred initialisation, FSDP2) has no autocast state to query; nothing to cast there.
         if device_type == "meta" or not torch.is_autocast_enabled(device_type):
-            return function.apply(*args)
+            return apply(*args)
         dtype = torch.get_autocast_dtype(device_type)
         cast = tuple(
             a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
         )
         with torch.autocast(device_type, enabled=False):
-            return function.apply(*cast)
+            return apply(*cast)
 
     def _check_same_device(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         """``RuntimeError`` naming the module and both devices unless every tensor of ``params`` is on ``x``'s."""

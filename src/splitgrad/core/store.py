@@ -64,6 +64,10 @@ class WgradHooks:
     def __len__(self) -> int:
         return len(self._hooks)
 
+    def __iter__(self):
+        # A snapshot, for the same reason as fire().
+        return iter(list(self._hooks.values()))
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Outstanding:
@@ -140,6 +144,9 @@ class WeightGradStore:
         self._delay = bool(delay_wgrad_compute)
         self.name = name
         self.hooks = WgradHooks()
+        # Context-manager factories entered around every task's compute (after its checks, before any write):
+        # a sharding wrapper uses one to put the parameter the task writes back on the owner (FSDP2 glue).
+        self.compute_contexts = WgradHooks()
         self._queue: deque[WgradTask] = deque()
         self._claims = dict.fromkeys(CLAIM_KINDS, 0)
         # Reentrant: a bundle garbage-collected while this thread holds the lock hands its tasks back here.

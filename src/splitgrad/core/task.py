@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
@@ -89,7 +90,13 @@ class WgradTask:
             self._check_versions()
             # No grad mode: saved operands can be views of tensors that require grad (a view made inside
             # backward still does), and recording their W math would attach a grad_fn to `.grad`/`main_grad`.
-            with torch.no_grad(), torch.profiler.record_function(f"splitgrad.wgrad:{self.label}"):
+            with (
+                torch.no_grad(),
+                torch.profiler.record_function(f"splitgrad.wgrad:{self.label}"),
+                contextlib.ExitStack() as around,
+            ):
+                for factory in getattr(self.store, "compute_contexts", ()):
+                    around.enter_context(factory())
                 self._compute()
         except BaseException:
             with self._lock:

@@ -54,7 +54,8 @@ def check_writable(param: torch.Tensor, owner: str, name: str) -> None:
     """Refuse a parameter whose gradient splitgrad cannot write correctly (a sharded ``DTensor``).
 
     FSDP2 (``fully_shard``) swaps sharded DTensor parameters back in after backward, so a deferred task would
-    add an unreduced full gradient to a shard: refused, naming the supported path.
+    add an unreduced full gradient to a shard: refused, naming the supported path
+    (:func:`splitgrad.parallel.defer_fsdp_reduction`, which puts the unsharded parameter back for the write).
     """
     # torch.distributed.tensor is imported by whoever makes DTensors; if it is not loaded, none exist.
     if "torch.distributed.tensor" in sys.modules:
@@ -63,9 +64,10 @@ def check_writable(param: torch.Tensor, owner: str, name: str) -> None:
         if isinstance(param, DTensor):
             raise RuntimeError(
                 f"{owner}: `{name}` is a DTensor (sharded, e.g. by FSDP2's fully_shard) when its deferred weight "
-                "gradient is written; splitgrad writes full, unreduced gradients and does not support FSDP. Use "
-                "splitgrad.parallel.DistributedDataParallel for data parallelism (see docs/parallel.md), or "
-                "immediate mode under FSDP"
+                "gradient is written; the full, unreduced gradient cannot go there. Under FSDP2 call "
+                "splitgrad.parallel.defer_fsdp_reduction(model) after fully_shard (it reduce-scatters at the "
+                "group's last W; see docs/fsdp_compile.md), or use immediate mode, or "
+                "splitgrad.parallel.DistributedDataParallel (docs/parallel.md)"
             )
 
 

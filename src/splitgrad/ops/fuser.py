@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core import split_backward
+from ..core.compile import apply_outside_compile
 from .context import Fusible, OperationContext, PlanOp
 
 __all__ = ["FusionFn", "FusionRegistry", "OperationFuser"]
@@ -192,6 +193,8 @@ class OperationFuser:
         params = [b.op_parameters() for b in basic]
         flat_params = [p for ps in params for p in ps]
         state = _State(basic, fwd, bwd, per_op, [len(ps) for ps in params], torch.is_grad_enabled())
+        if any(getattr(b, "splits_wgrad", None) is not None and b.splits_wgrad() for b in basic):
+            return apply_outside_compile(_FuserFunction, x, state, *flat_params)  # torch.compile: see core
         return _FuserFunction.apply(x, state, *flat_params)
 
 

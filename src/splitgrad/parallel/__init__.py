@@ -10,14 +10,19 @@ from __future__ import annotations
 from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
+from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
+from .fsdp_stage import FSDPStage
 from .tensor import TensorParallelConfig, TensorParallelGroups, tensor_parallel_groups
 
 __all__ = [
     "Bucket",
     "DDPConfig",
     "DistributedDataParallel",
+    "FSDPReductionHandle",
+    "FSDPStage",
     "GradBuffer",
     "TensorParallelConfig",
     "TensorParallelGroups",
+    "defer_fsdp_reduction",
     "tensor_parallel_groups",
 ]

@@ -185,6 +185,17 @@ class SplitgradPipelineStage(PipelineStage):
             )
         super().clear_runtime_states()
 
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """PyTorch's ``REDUCE_GRAD`` (after the stage's last W): FSDP2 reduces the held deferred gradients too.
+
+        With ``splitgrad.parallel.defer_fsdp_reduction`` on an FSDP2 stage the deferred gradients are held
+        while PyTorch keeps gradient sync off; they are handed back to FSDP2 here, right before PyTorch calls
+        FSDP2's ``post_backward``, so one reduce-scatter per group carries them with the autograd-written ones.
+        """
+        for handle in _fsdp_reductions(self.submod) or ():
+            handle.release_to_fsdp()
+        super().perform_reduce_grad(grad_scale_factor)
+
     def scale_grads(self, grad_scale_factor: int) -> None:
         """PyTorch's ``.grad`` scaling; refused when a fused layer keeps its weight gradient in ``main_grad``."""
         if grad_scale_factor != 1:
@@ -274,15 +285,31 @@ def splitgrad_pipeline_stage(
 
     Raises:
         ValueError: ``module`` holds no splitgrad layer, one of them does not delay its weight gradient, or it
-            is wrapped in torch's DDP/FSDP (whose hooks never see splitgrad's deferred gradients).
+            is wrapped in torch's DDP, or in FSDP2 without splitgrad.parallel.defer_fsdp_reduction.
     """
     return SplitgradPipelineStage(
         module, stage_index, num_stages, device, input_args=input_args, output_args=output_args, group=group
     )
 
 
+def _fsdp_reductions(module: nn.Module) -> list | None:
+    """The ``defer_fsdp_reduction`` handles of ``module``'s split layers; None unless every layer has one."""
+    handles = [m.__dict__.get("_splitgrad_fsdp_deferred") for _, m in split_modules(module)]
+    if not handles or any(h is None or h is True for h in handles):
+        return None
+    return list({id(h): h for h in handles}.values())
+
+
 def _check_submodule(module: nn.Module, stage_index: int) -> None:
-    if isinstance(module, (nn.parallel.DistributedDataParallel, FSDPModule)):
+    if isinstance(module, FSDPModule) and _fsdp_reductions(module) is not None:
+        pass  # FSDP2 with splitgrad.parallel.defer_fsdp_reduction: reduced at REDUCE_GRAD (perform_reduce_grad)
+    elif isinstance(module, FSDPModule):
+        raise ValueError(
+            f"stage {stage_index}: {type(module).__name__} is fully_shard-ed without "
+            "splitgrad.parallel.defer_fsdp_reduction(module); call it after fully_shard so the deferred weight "
+            "gradients reach FSDP2's reduction"
+        )
+    if isinstance(module, nn.parallel.DistributedDataParallel):
         raise ValueError(
             f"stage {stage_index}: {type(module).__name__} computes gradient reductions from autograd hooks, "
             "which never see splitgrad's deferred weight gradients; use splitgrad's data-parallel wrapper instead"

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import MoEConfig, MoEGPT, lm_loss
-from splitgrad.parallel.expert import ExpertParallelMoEMLP, overlapped_forward_backward
+from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, overlapped_forward_backward
 from splitgrad.testing import spawn
 
 
@@ -58,7 +58,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
         delay_wgrad_compute=args.delayed,
     )  # fmt: skip
-    model = MoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
+    model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
     gen = torch.Generator().manual_seed(rank)
     ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
     timings: dict[str, list[float]] = {"sequential": [], "overlapped": [], "comm alone": []}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers
-from splitgrad.parallel.expert import ExpertParallelMoEMLP, load_full_state_dict
+from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, load_full_state_dict
 from tests.helpers import grads
 from tests.models.helpers import RTOL, batch, build, moe_config
 
@@ -72,7 +72,9 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
 
         results = {}
         for delayed in (False, True):
-            ep = MoEGPT(moe_config(**overrides, delay_wgrad_compute=delayed), ep_group=group, experts=experts)
+            ep = ExpertParallelMoEGPT(
+                moe_config(**overrides, delay_wgrad_compute=delayed), ep_group=group, experts=experts
+            )
             remapped = load_full_state_dict(ep, ref.state_dict())
             if remapped != 2 * config.num_layers * (1 + config.bias) * config.num_experts // world:
                 raise AssertionError(f"{remapped=} expert tensors remapped")
@@ -118,7 +120,7 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
 def bad_ep_size(rank: int, world: int) -> str:
     """num_experts not divisible by the expert-parallel size: a ValueError naming both."""
     try:
-        MoEGPT(moe_config(num_experts=4), ep_group=dist.group.WORLD)
+        ExpertParallelMoEGPT(moe_config(num_experts=4), ep_group=dist.group.WORLD)
     except ValueError as exc:
         return str(exc)
     raise AssertionError("no ValueError")
@@ -162,7 +164,7 @@ def hook_reduction(
         mine = slice(rank * local_b, (rank + 1) * local_b)
 
         split = {"delay_wgrad_compute": mode != "immediate", "fuse_wgrad_accumulation": mode == "fused"}
-        model = MoEGPT(
+        model = ExpertParallelMoEGPT(
             moe_config(**overrides, **split), ep_group=ep_group, dp_group=dist.group.WORLD, experts=experts
         )
         load_full_state_dict(model, ref.state_dict())
@@ -215,7 +217,7 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     for delay, experts in modes:
         runs = []
         for overlapped in (False, True):
-            model = MoEGPT(
+            model = ExpertParallelMoEGPT(
                 moe_config(delay_wgrad_compute=delay == "delayed"),
                 ep_group=ep_group,
                 ep_backward_group=back_group,
@@ -239,7 +241,7 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         out.append(f"{delay}/{experts}")
     # A model whose forward and backward share one group is refused (its collectives could interleave).
-    shared = MoEGPT(config, ep_group=ep_group)
+    shared = ExpertParallelMoEGPT(config, ep_group=ep_group)
     try:
         overlapped_forward_backward(shared, local[0][0], torch.zeros((), requires_grad=True))
     except ValueError as exc:

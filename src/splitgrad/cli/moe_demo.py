@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import splitgrad
-from splitgrad.models import MoEConfig, MoEGPT, lm_loss, load_char_corpus, moe_layers
-from splitgrad.parallel.expert import overlapped_forward_backward
+from splitgrad.models import MoEConfig, lm_loss, load_char_corpus, moe_layers
+from splitgrad.parallel.expert import ExpertParallelMoEGPT, overlapped_forward_backward
 from splitgrad.pipeline.timeline import TimelineEvent, to_chrome_trace
 from splitgrad.testing import spawn
 
@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
         delay_wgrad_compute=True,
     )  # fmt: skip
     torch.manual_seed(opts["seed"])  # the same dense weights on every rank
-    model = MoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
+    model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
     for i, layer in enumerate(moe_layers(model)):
         torch.manual_seed(opts["seed"] + 1 + 1000 * rank + i)  # different experts on different ranks
         layer.fc1.reset_parameters()

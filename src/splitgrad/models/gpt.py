@@ -42,7 +42,7 @@ def _tp_kwargs(tp_group: dist.ProcessGroup | None, config: GPTConfig, mode: str 
     return kw if mode is None else {**kw, "parallel_mode": mode}
 
 
-def _split_kwargs(config: GPTConfig) -> dict:
+def split_kwargs(config: GPTConfig) -> dict:
     """Keyword arguments every splitgrad layer of the model gets."""
     return {
         "delay_wgrad_compute": config.delay_wgrad_compute,
@@ -123,9 +123,9 @@ class Attention(nn.Module):
             normalization=config.normalization,
             zero_centered_gamma=config.zero_centered_gamma,
             **_tp_kwargs(tp_group, config, "column"),
-            **_split_kwargs(config),
+            **split_kwargs(config),
         )
-        self.proj = Linear(h, h, config.bias, **_tp_kwargs(tp_group, config, "row"), **_split_kwargs(config))
+        self.proj = Linear(h, h, config.bias, **_tp_kwargs(tp_group, config, "row"), **split_kwargs(config))
         self.head_dim = config.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ class Head(nn.Module):
         self.proj = (
             None
             if self.tied
-            else Linear(config.hidden_size, config.vocab_size, False, **_split_kwargs(config))
+            else Linear(config.hidden_size, config.vocab_size, False, **split_kwargs(config))
         )
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,7 +238,7 @@ class GPT(nn.Module):
             activation=config.activation,
             zero_centered_gamma=config.zero_centered_gamma,
             **_tp_kwargs(self.tp_group, config, None),
-            **_split_kwargs(config),
+            **split_kwargs(config),
         )
 
     @torch.no_grad()

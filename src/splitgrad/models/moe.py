@@ -27,7 +27,7 @@ from torch import nn
 from ..module.grouped_linear import GroupedLinear
 from ..module.linear import Linear
 from .config import MoEConfig
-from .gpt import GPT, Norm, _split_kwargs
+from .gpt import GPT, Norm, split_kwargs
 
 __all__ = ["AuxLossInjector", "MoEGPT", "MoEMLP", "moe_aux_loss", "moe_layers", "set_aux_loss_scale"]
 
@@ -57,7 +57,7 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+def moe_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     """``h: (T, ffn)`` or, gated, ``(T, 2 * ffn)`` -> ``(T, ffn)`` (same rules as LayerNormMLP)."""
     if activation == "gelu":
         return F.gelu(h, approximate="tanh")
@@ -91,9 +91,9 @@ class MoEMLP(nn.Module):
         h, f, e = config.hidden_size, config.moe_ffn_hidden_size, config.num_experts
         gated = config.activation in ("swiglu", "geglu")
         self.norm = Norm(config)
-        self.router = Linear(h, e, False, **_split_kwargs(config))
-        self.fc1 = GroupedLinear(e, h, 2 * f if gated else f, config.bias, **_split_kwargs(config))
-        self.fc2 = GroupedLinear(e, f, h, config.bias, **_split_kwargs(config))
+        self.router = Linear(h, e, False, **split_kwargs(config))
+        self.fc1 = GroupedLinear(e, h, 2 * f if gated else f, config.bias, **split_kwargs(config))
+        self.fc2 = GroupedLinear(e, f, h, config.bias, **split_kwargs(config))
 
     def residual_output_weights(self) -> list[nn.Parameter]:
         """fc2's per-expert matrices (they write into the residual stream)."""
@@ -135,7 +135,7 @@ class MoEMLP(nn.Module):
         # scatter is deterministic on GPUs too (the sum over the k copies is the expand's own reduction).
         copies = h.unsqueeze(1).expand(tokens, self.top_k, h.shape[-1]).reshape(-1, h.shape[-1])
         y = self.fc1(copies.index_select(0, order), m_splits)
-        y = self.fc2(_activation(y, self.activation), m_splits)
+        y = self.fc2(moe_activation(y, self.activation), m_splits)
 
         # Unpermute: copy j of token t sits at position inverse[t * k + j] of the sorted order.
         inverse = torch.empty_like(order)
@@ -157,49 +157,20 @@ class MoEGPT(GPT):
     load-balancing losses are added to the gradient automatically (:class:`AuxLossInjector`). For the value
     of the total objective, add :func:`moe_aux_loss` to the cross-entropy.
 
-    With ``ep_group`` the experts are sharded over that process group
-    (:class:`splitgrad.parallel.expert.ExpertParallelMoEMLP`; ``dp_group``: every rank whose tokens form the
-    global batch, default ``ep_group``; ``experts``: ``"module"`` or ``"ops"``; ``ep_backward_group``: a second
-    group of the same ranks for the backward's all-to-alls, needed by batch-level overlap); without it, the
-    single-process model (the reference). Load the reference's weights with
-    :func:`splitgrad.parallel.expert.load_full_state_dict`.
+    This is the single-process model (the reference); its expert-parallel twin, with the experts sharded over a
+    process group, is :class:`splitgrad.parallel.expert.ExpertParallelMoEGPT` (it overrides :meth:`_make_mlp`).
     """
 
     config: MoEConfig
 
-    def __init__(
-        self,
-        config: MoEConfig,
-        *,
-        device: torch.device | str | None = None,
-        ep_group: object | None = None,
-        dp_group: object | None = None,
-        experts: str = "module",
-        ep_backward_group: object | None = None,
-    ) -> None:
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoEGPT needs an MoEConfig, got {type(config).__name__}")
-        if ep_group is None and (
-            dp_group is not None or ep_backward_group is not None or experts != "module"
-        ):
-            raise ValueError(
-                f"MoEGPT: dp_group, ep_backward_group and experts={experts!r} need an ep_group (expert parallelism)"
-            )
-        # Read by _make_mlp, which GPT.__init__ calls before this class could set attributes normally.
-        object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts, ep_backward_group))
         super().__init__(config, device=device)
 
     def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
         del layer
-        ep_group, dp_group, experts, backward_group = self._expert_parallel
-        if ep_group is None:
-            return MoEMLP(config)
-        # Imported here: parallel/ builds on models/, so models/ must not import it at load time.
-        from ..parallel.expert.layer import ExpertParallelMoEMLP
-
-        return ExpertParallelMoEMLP(
-            config, ep_group, dp_group, experts=experts, backward_group=backward_group
-        )
+        return MoEMLP(config)
 
 
 def moe_layers(model: nn.Module) -> list[MoEMLP]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .all_to_all import AllToAll, all_to_all, exchange_counts
 from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
 from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
+from .model import ExpertParallelMoEGPT
 from .overlap import OverlappedMoEStage, overlapped_forward_backward
 from .state import load_full_state_dict
 
@@ -12,6 +13,7 @@ __all__ = [
     "EXPERT_KINDS",
     "AllToAll",
     "ExpertDataParallel",
+    "ExpertParallelMoEGPT",
     "ExpertParallelMoEMLP",
     "OverlappedMoEStage",
     "ParameterGroup",

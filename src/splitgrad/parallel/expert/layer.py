@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...models.config import MoEConfig
-from ...models.gpt import Norm, _split_kwargs
-from ...models.moe import AuxLossInjector, MoEMLP, _activation
+from ...models.gpt import Norm, split_kwargs
+from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
@@ -113,10 +113,10 @@ class ExpertParallelMoEMLP(MoEMLP):
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
-        self.router = Linear(h, config.num_experts, False, **_split_kwargs(config))
+        self.router = Linear(h, config.num_experts, False, **split_kwargs(config))
         if experts == "module":
-            self.fc1 = GroupedLinear(n, h, width, config.bias, **_split_kwargs(config))
-            self.fc2 = GroupedLinear(n, f, h, config.bias, **_split_kwargs(config))
+            self.fc1 = GroupedLinear(n, h, width, config.bias, **split_kwargs(config))
+            self.fc2 = GroupedLinear(n, f, h, config.bias, **split_kwargs(config))
         else:
             kw = {
                 "bias": config.bias,
@@ -174,7 +174,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         regroup = torch.argsort(row_expert, stable=True)
         m_splits = received_counts.sum(0).tolist()
         y = self.fc1(rows.index_select(0, regroup), m_splits)
-        y = self.fc2(_activation(y, self.activation), m_splits)
+        y = self.fc2(moe_activation(y, self.activation), m_splits)
         y = all_to_all(
             y.index_select(0, _inverse(regroup)),
             in_splits,

@@ -64,3 +64,21 @@ def test_build_runtime_takes_a_typed_config(group):
     (wrapped,) = rt.stages.values()
     assert isinstance(wrapped, DistributedDataParallel) and wrapped.config == DDPConfig(bucket_size=7)
     wrapped.close()
+
+
+def test_default_group_passed_explicitly_is_not_held(group):
+    # `process_group=dist.group.WORLD` (the usual spelling) must not keep the default group alive past
+    # destroy_process_group(): a held reference is what made gloo abort at interpreter exit (docs/parallel.md's
+    # torchrun example failed that way). A group of its own is held, as it must be.
+    import gc
+
+    import torch.distributed as dist
+
+    ddp = DistributedDataParallel(_layer(), process_group=dist.group.WORLD)
+    assert ddp.process_group is dist.group.WORLD  # still used
+    assert all(ref is not dist.group.WORLD for ref in gc.get_referents(ddp) + list(vars(ddp).values()))
+    own = dist.new_group([0])
+    held = DistributedDataParallel(_layer(), process_group=own)
+    assert held.process_group is own and any(v is own for v in vars(held).values())  # negative check
+    held.close()
+    ddp.close()

@@ -85,8 +85,9 @@ class DistributedDataParallel(nn.Module):
             )
         self.module = module
         # The default group is looked up at each use, never stored: a reference held past
-        # destroy_process_group() keeps the group alive until interpreter exit, where gloo may abort.
-        self._group = process_group
+        # destroy_process_group() keeps the group alive until interpreter exit, where gloo may abort. That
+        # includes the default group passed explicitly (`process_group=dist.group.WORLD`, the common spelling).
+        self._group = None if process_group is dist.group.WORLD else process_group
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")

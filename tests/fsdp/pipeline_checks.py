@@ -17,7 +17,8 @@ from torch.distributed.fsdp import fully_shard
 
 import splitgrad
 from splitgrad.parallel import FSDPStage
-from splitgrad.pipeline import build_runtime, pipeline_groups, sequential_stages
+from splitgrad.pipeline import build_runtime, pipeline_groups
+from splitgrad.pipeline.build import sequential_stages
 
 F64 = torch.float64
 D, N_MB, MB, PP, DP = 8, 4, 3, 2, 2

@@ -87,6 +87,29 @@ def as_counts(what: str, value: object) -> int | tuple[int, ...]:
     return as_count(what, value)
 
 
+def per_rank_memory_limits(
+    who: str, memory_limit: object, p: int, *, default: float, minimum: float, unit: str
+) -> tuple[float, ...]:
+    """``memory_limit`` (one real number, or one per rank; None -> ``default``) as ``p`` floats >= ``minimum``.
+
+    Real numbers, numpy scalars too: under the paper's memory model (``w_memory < 1``) fractional limits mean
+    something. :func:`as_costs` refuses bools, NaN/inf and negatives with the argument's name.
+
+    Raises:
+        ValueError: naming ``who``, the bound, ``unit`` and the value.
+    """
+    if memory_limit is None:
+        return (float(default),) * p
+    value = as_costs(f"{who}: memory_limit", memory_limit)
+    limits = (value,) * p if isinstance(value, float) else value
+    if len(limits) != p or any(x < minimum for x in limits):
+        raise ValueError(
+            f"{who}: memory_limit must be a number >= {minimum:g} ({unit}) or one per rank ({p} ranks), got "
+            f"{memory_limit=}"
+        )
+    return tuple(float(x) for x in limits)
+
+
 def normalize_schedule_args(
     name: str, n_stages: object, n_microbatches: object, options: dict[str, Any]
 ) -> tuple[int, int, dict[str, Any]]:

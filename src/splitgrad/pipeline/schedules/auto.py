@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .._coerce import as_costs
+from .._coerce import per_rank_memory_limits
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
 from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
@@ -52,18 +52,7 @@ _EPS = 1e-9
 
 def _memory_limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
     """Per-rank limits in units of one stage activation ``M_B`` (default ``p``: 1F1B's peak)."""
-    if memory_limit is None:
-        return (float(p),) * p
-    # Real numbers (numpy scalars too): under the paper's memory model (w_memory < 1) fractional limits mean
-    # something. as_costs refuses bools, NaN/inf and negatives with the argument's name.
-    value = as_costs("zb-auto: memory_limit", memory_limit)
-    limits = (value,) * p if isinstance(value, float) else value
-    if len(limits) != p or any(x < 1 for x in limits):
-        raise ValueError(
-            f"zb-auto: memory_limit must be a number >= 1 (in activations M_B) or one per rank ({p} ranks), got "
-            f"{memory_limit=}"
-        )
-    return tuple(float(x) for x in limits)
+    return per_rank_memory_limits("zb-auto", memory_limit, p, default=p, minimum=1, unit="in activations M_B")
 
 
 @gc_paused()

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .._coerce import as_cost, as_costs
+from .._coerce import as_cost, per_rank_memory_limits
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
 from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
@@ -55,16 +55,10 @@ _REFILL_BASES = 4  # how far a filling W may run past the next input (in W costs
 
 def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
     """Per-rank limits in stage activations ``M_B`` (default ``2p``: the fixed ZB-V's peak)."""
-    if memory_limit is None:
-        return (2.0 * p,) * p
-    value = as_costs("zbv-auto: memory_limit", memory_limit)
-    limits = (value,) * p if isinstance(value, float) else value
-    if len(limits) != p or any(x < 2 for x in limits):
-        raise ValueError(
-            "zbv-auto: memory_limit must be a number >= 2 (in stage activations M_B; a rank holds two "
-            f"stages) or one per rank ({p} ranks), got {memory_limit=}"
-        )
-    return tuple(float(x) for x in limits)
+    return per_rank_memory_limits(
+        "zbv-auto", memory_limit, p, default=2 * p, minimum=2,
+        unit="in stage activations M_B; a rank holds two stages",
+    )  # fmt: skip
 
 
 @gc_paused()

@@ -96,3 +96,38 @@ def test_per_rank_memory_limits():
         zb_auto(3, 6, memory_limit=[5, 4])
     with pytest.raises(ValueError, match="fill must be"):
         greedy_schedule(3, 6, fill="lazy")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(1, 5),
+    m=st.integers(1, 10),
+    f=costs,
+    b=costs,
+    w=costs,
+    comm=st.sampled_from([0.0, 0.3]),
+    limit=st.integers(1, 10),
+    w_memory=st.sampled_from([1.0, 0.4]),
+    fill=st.sampled_from(["eager", "fit", "reserve"]),
+    data=st.data(),
+)
+def test_guarded_greedy_pass_is_valid_and_within_memory(p, m, f, b, w, comm, limit, w_memory, fill, data):
+    """A guarded rank waits for its input gradient instead of running a W; that must never stall the pass."""
+    guard = data.draw(st.lists(st.booleans(), min_size=p, max_size=p))
+    schedule = greedy_schedule(
+        p, m, f=f, b=b, w=w, comm=comm, memory_limit=limit, w_memory=w_memory, fill=fill, w_guard=guard
+    )
+    validate(schedule)
+    assert max(simulate(schedule, f, b, w, comm, w_memory=w_memory).peak_memory) <= limit + 1e-9
+
+
+def test_guard_tuning_only_adds_candidates():
+    """tune=True keeps every untuned candidate and can only improve the pick; bad guards are rejected."""
+    kwargs = dict(f=1.0, b=1.3, w=0.6, comm=0.1, memory_limit=7, w_memory=0.4)
+    plain = auto_candidates(4, 12, **kwargs, tune=False)
+    tuned = auto_candidates(4, 12, **kwargs)
+    assert {c.label for c in plain} <= {c.label for c in tuned}
+    assert _span(tuned[0].result) <= _span(plain[0].result)
+    assert not any("w_guard" in c.label for c in plain)
+    with pytest.raises(ValueError, match="w_guard must give one flag per rank"):
+        greedy_schedule(4, 8, w_guard=[True, False])

@@ -29,7 +29,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .._coerce import per_rank_memory_limits
@@ -70,6 +70,7 @@ def greedy_schedule(
     fill: str = "eager",
     alternate: bool = True,
     warmup_deadline: float | None = None,
+    w_guard: Sequence[bool] | None = None,
 ) -> Schedule:
     """One greedy list-scheduling pass (see the module docstring); one stage per rank.
 
@@ -90,6 +91,9 @@ def greedy_schedule(
             later than ``warmup_deadline`` forward costs after the earliest moment its first input gradient
             can arrive (forward chain down, backward chain up), so warm-up never delays that gradient on
             its way back (rank 0 keeps its warm-up: nothing waits for it). None: no such stop.
+        w_guard: per rank, whether it may start a ``W`` only when that ``W`` ends before the rank's next input
+            gradient can arrive (else it waits for the gradient): a rank that runs a ``W`` while the gradient
+            arrives holds up the backward chain to every rank above it. None: no rank guarded.
 
     Returns:
         A valid schedule whose peak activations respect ``memory_limit``.
@@ -104,6 +108,9 @@ def greedy_schedule(
     caps = tuple(int(x) for x in limits) if warmup is None else tuple(warmup)
     if len(caps) != p or any(c < 1 for c in caps):
         raise ValueError(f"zb-auto: warmup must give one cap >= 1 per rank, got {warmup=}")
+    guarded = (False,) * p if w_guard is None else tuple(bool(g) for g in w_guard)
+    if len(guarded) != p:
+        raise ValueError(f"zb-auto: w_guard must give one flag per rank ({p} ranks), got {w_guard=}")
 
     # Earliest arrival of each rank's first input gradient: microbatch 0 down every stage and back up.
     down = sum(fc) + (p - 1) * comm
@@ -178,11 +185,15 @@ def greedy_schedule(
             choice = _B
         elif f_now:
             choice = _F
-        elif pending[s] and (
-            fill == "eager"
-            or (fill == "reserve" and len(pending[s]) > 1)
-            or min(lf, lb) >= t + wc[s]
-            or not (f_allowed or b_allowed)
+        elif (
+            pending[s]
+            and (not guarded[s] or lb >= t + wc[s])
+            and (
+                fill == "eager"
+                or (fill == "reserve" and len(pending[s]) > 1)
+                or min(lf, lb) >= t + wc[s]
+                or not (f_allowed or b_allowed)
+            )
         ):
             choice = _W
         else:
@@ -248,75 +259,91 @@ def auto_candidates(
     comm: float = 0.0,
     memory_limit: float | Sequence[float] | None = None,
     w_memory: float = 1.0,
+    tune: bool = True,
 ) -> list[AutoCandidate]:
-    """Every candidate zb-auto weighs (greedy variants and fitting hand-written schedules), best first."""
+    """Every candidate zb-auto weighs (greedy variants and fitting hand-written schedules), best first.
+
+    With ``tune`` the best greedy plan's settings are refined by a local search over which ranks guard
+    their input gradients (``w_guard`` of :func:`greedy_schedule`): one pass over the ranks nearest the
+    first stage (those whose gradients every rank above waits for), guarding one more rank at a time and
+    keeping it guarded when that shortens the rank spans (compared longest first). Deterministic.
+    """
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
     p, m = n_stages, n_microbatches
     limits = _memory_limits(memory_limit, p)
     candidates: list[AutoCandidate] = []
+    settings: dict[str, dict] = {}  # greedy label -> the options that made it
 
-    def consider(label: str, schedule: Schedule) -> None:
+    def consider(label: str, schedule: Schedule) -> AutoCandidate | None:
         result = simulate(schedule, f, b, w, comm, w_memory=w_memory)
         if all(peak <= cap + _EPS for peak, cap in zip(result.peak_memory, limits)):
             candidates.append(AutoCandidate(label, schedule, result))
+            return candidates[-1]
+        return None
+
+    def greedy(label: str, **options) -> AutoCandidate | None:
+        settings[label] = options
+        schedule = greedy_schedule(
+            p, m, f=f, b=b, w=w, comm=comm, memory_limit=limits, w_memory=w_memory, **options
+        )
+        return consider(label, schedule)
 
     warmups = {
         "1f1b-warmup": tuple(min(int(limits[s]), p - s) for s in range(p)),
         "zb-h2-warmup": tuple(min(int(limits[s]), 2 * (p - s) - 1) for s in range(p)),
         "max-warmup": tuple(int(x) for x in limits),
     }
-    for wname, caps in warmups.items():
-        for fill in ("eager", "fit"):
-            for alternate in (True, False):
-                label = f"greedy({wname}, fill={fill}, {'alternate' if alternate else 'b-first'})"
-                consider(
-                    label,
-                    greedy_schedule(
-                        p,
-                        m,
-                        f=f,
-                        b=b,
-                        w=w,
-                        comm=comm,
-                        memory_limit=limits,
-                        w_memory=w_memory,
-                        warmup=caps,
-                        fill=fill,
-                        alternate=alternate,
-                    ),
-                )
+    for (wname, caps), fill, alternate in itertools.product(warmups.items(), ("eager", "fit"), (True, False)):
+        label = f"greedy({wname}, fill={fill}, {'alternate' if alternate else 'b-first'})"
+        greedy(label, warmup=caps, fill=fill, alternate=alternate)
     # With room for more than 2p - 1 activations (the paper's ZB-2p under its memory model), warm up one
     # forward deeper but stop where a forward would hold up the first input gradient on its way back.
     deep = tuple(min(int(limits[s]), 2 * (p - s)) for s in range(p))
     for deadline, fill in (
         itertools.product((0.0, 0.5), ("eager", "reserve")) if max(limits) >= 2 * p - 1 else ()
     ):
-        consider(
-            f"greedy(zb-2p-warmup, deadline={deadline}, fill={fill})",
-            greedy_schedule(
-                p,
-                m,
-                f=f,
-                b=b,
-                w=w,
-                comm=comm,
-                memory_limit=limits,
-                w_memory=w_memory,
-                warmup=deep,
-                warmup_deadline=deadline,
-                fill=fill,
-            ),
-        )
+        label = f"greedy(zb-2p-warmup, deadline={deadline}, fill={fill})"
+        greedy(label, warmup=deep, warmup_deadline=deadline, fill=fill)
     for label, builder in (("1f1b-split", None), ("zb-h1", zb_h1), ("zb-h2", zb_h2)):
         base = one_f_one_b(p, m, split_backward=True) if builder is None else builder(p, m)
         consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
 
-    def key(c: AutoCandidate) -> tuple[float, float, int]:
-        spans = [hi - lo for lo, hi in c.result.rank_spans]
-        return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_activations))
-
-    candidates.sort(key=key)
+    candidates.sort(key=_rank_key)
+    best = next((c for c in candidates if c.label in settings), None)
+    if tune and best is not None and p > 1:
+        _tune_w_guard(best, settings[best.label], p, greedy)  # its trials join the candidates
+        candidates.sort(key=_rank_key)
     return candidates
+
+
+def _rank_key(c: AutoCandidate) -> tuple[float, float, float]:
+    """Shortest longest-rank span, then makespan, then lower peak memory."""
+    spans = [hi - lo for lo, hi in c.result.rank_spans]
+    return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
+
+
+def _spans(c: AutoCandidate) -> tuple[float, ...]:
+    return tuple(sorted((round(hi - lo, 9) for lo, hi in c.result.rank_spans), reverse=True))
+
+
+def _tune_w_guard(
+    best: AutoCandidate, options: dict, p: int, greedy: Callable[..., AutoCandidate | None]
+) -> AutoCandidate | None:
+    """One coordinate-descent pass over the guards of ranks ``0 .. p/2 - 1`` (see :func:`auto_candidates`);
+    the best plan found, or None when no guard helps."""
+    guard = [False] * p
+    current: AutoCandidate | None = None
+    score = _spans(best)
+    for s in range(max(1, p // 2)):
+        trial = guard.copy()
+        trial[s] = True
+        ranks = [r for r in range(p) if trial[r]]
+        found = greedy(f"{best.label} + w_guard(ranks={ranks})", **options, w_guard=tuple(trial))
+        if found is not None and _spans(found) < score:
+            guard, current, score = trial, found, _spans(found)
+    if current is not None:
+        logger.debug("zb-auto: guarding ranks %s improves %s", [r for r in range(p) if guard[r]], best.label)
+    return current
 
 
 def zb_auto(

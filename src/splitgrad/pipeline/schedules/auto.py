@@ -30,12 +30,12 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from .._coerce import per_rank_memory_limits
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
-from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
+from ..simulate import Costs, check_w_memory, stage_costs
+from ._candidates import Candidate, CandidatePool, pick_best, spans_key
 from ._common import check_positive_int, loop_mapping
 from .gpipe_1f1b import one_f_one_b
 from .zero_bubble import zb_h1, zb_h2
@@ -240,12 +240,8 @@ def greedy_schedule(
     )
 
 
-class AutoCandidate(NamedTuple):
-    """One schedule zb-auto considered, with its simulation under the requested costs."""
-
-    label: str
-    schedule: Schedule
-    result: SimulationResult
+AutoCandidate = Candidate
+"""One schedule zb-auto considered: ``(label, schedule, result)`` (the shared :class:`Candidate`)."""
 
 
 @gc_paused()
@@ -271,15 +267,9 @@ def auto_candidates(
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
     p, m = n_stages, n_microbatches
     limits = _memory_limits(memory_limit, p)
-    candidates: list[AutoCandidate] = []
+    pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
+    consider = pool.consider
     settings: dict[str, dict] = {}  # greedy label -> the options that made it
-
-    def consider(label: str, schedule: Schedule) -> AutoCandidate | None:
-        result = simulate(schedule, f, b, w, comm, w_memory=w_memory)
-        if all(peak <= cap + _EPS for peak, cap in zip(result.peak_memory, limits)):
-            candidates.append(AutoCandidate(label, schedule, result))
-            return candidates[-1]
-        return None
 
     def greedy(label: str, **options) -> AutoCandidate | None:
         settings[label] = options
@@ -308,22 +298,10 @@ def auto_candidates(
         base = one_f_one_b(p, m, split_backward=True) if builder is None else builder(p, m)
         consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
 
-    candidates.sort(key=_rank_key)
-    best = next((c for c in candidates if c.label in settings), None)
+    best = next((c for c in pool.ranked() if c.label in settings), None)
     if tune and best is not None and p > 1:
-        _tune_w_guard(best, settings[best.label], p, greedy)  # its trials join the candidates
-        candidates.sort(key=_rank_key)
-    return candidates
-
-
-def _rank_key(c: AutoCandidate) -> tuple[float, float, float]:
-    """Shortest longest-rank span, then makespan, then lower peak memory."""
-    spans = [hi - lo for lo, hi in c.result.rank_spans]
-    return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
-
-
-def _spans(c: AutoCandidate) -> tuple[float, ...]:
-    return tuple(sorted((round(hi - lo, 9) for lo, hi in c.result.rank_spans), reverse=True))
+        _tune_w_guard(best, settings[best.label], p, greedy)  # its trials join the pool
+    return pool.ranked()
 
 
 def _tune_w_guard(
@@ -333,14 +311,14 @@ def _tune_w_guard(
     the best plan found, or None when no guard helps."""
     guard = [False] * p
     current: AutoCandidate | None = None
-    score = _spans(best)
+    score = spans_key(best)
     for s in range(max(1, p // 2)):
         trial = guard.copy()
         trial[s] = True
         ranks = [r for r in range(p) if trial[r]]
         found = greedy(f"{best.label} + w_guard(ranks={ranks})", **options, w_guard=tuple(trial))
-        if found is not None and _spans(found) < score:
-            guard, current, score = trial, found, _spans(found)
+        if found is not None and spans_key(found) < score:
+            guard, current, score = trial, found, spans_key(found)
     if current is not None:
         logger.debug("zb-auto: guarding ranks %s improves %s", [r for r in range(p) if guard[r]], best.label)
     return current
@@ -362,6 +340,6 @@ def zb_auto(
     candidates = auto_candidates(
         n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit, w_memory=w_memory
     )
-    best = candidates[0]
-    logger.info("zb-auto picked %s (bubble %.4f)", best.label, best.result.bubble_ratio)
-    return best.schedule
+    return pick_best(
+        candidates, "zb-auto", f"zb-auto: no schedule fits {memory_limit=} ({n_stages=} {n_microbatches=})"
+    )

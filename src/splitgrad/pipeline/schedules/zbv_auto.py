@@ -32,12 +32,12 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from .._coerce import as_cost, per_rank_memory_limits
 from .._perf import gc_paused
 from ..actions import Action, ActionKind, Schedule
-from ..simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
+from ..simulate import Costs, check_w_memory, stage_costs
+from ._candidates import Candidate, CandidatePool, pick_best
 from ._common import check_positive_int, v_mapping
 from .w_refill import refill_w
 from .zbv import zbv
@@ -239,12 +239,8 @@ def zbv_greedy(
     )
 
 
-class ZbvCandidate(NamedTuple):
-    """One schedule zbv-auto considered, with its simulation under the requested costs."""
-
-    label: str
-    schedule: Schedule
-    result: SimulationResult
+ZbvCandidate = Candidate
+"""One schedule zbv-auto considered: ``(label, schedule, result)`` (the shared :class:`Candidate`)."""
 
 
 @gc_paused()
@@ -267,14 +263,8 @@ def zbv_auto_candidates(
         )
     p, m = n_stages // 2, n_microbatches
     limits = _limits(memory_limit, p)
-    candidates: list[ZbvCandidate] = []
-
-    def consider(label: str, schedule: Schedule | None) -> None:
-        if schedule is None:
-            return
-        result = simulate(schedule, f, b, w, comm, w_memory=w_memory)
-        if all(peak <= cap + _EPS for peak, cap in zip(result.peak_memory, limits)):
-            candidates.append(ZbvCandidate(label, schedule, result))
+    pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
+    consider = pool.consider
 
     fixed = zbv(n_stages, n_microbatches)
     consider("zbv", Schedule("zbv-auto", m, fixed.stage_to_rank, fixed.rank_actions))
@@ -316,16 +306,12 @@ def zbv_auto_candidates(
                         ),
                     )
 
-    def key(c: ZbvCandidate) -> tuple[float, float, float]:
-        spans = [hi - lo for lo, hi in c.result.rank_spans]
-        return (round(max(spans), 9), round(c.result.makespan, 9), max(c.result.peak_memory))
-
     # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W
     # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's. Only the best
     # _REFILL_BASES greedy plans: re-placing the W of a poor F/B order does not make it a good one.
     fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
     comm_f = as_cost("comm", comm)
-    candidates.sort(key=key)
+    candidates = pool.ranked()
     bases = candidates[:_REFILL_BASES] + [c for c in candidates[_REFILL_BASES:] if c.label == "zbv"]
     for base in bases:
         variants = [(s, True) for s in _SLACKS] + (
@@ -345,8 +331,7 @@ def zbv_auto_candidates(
             )
             consider(f"{base.label} + refill_w(slack={slack}{', tail' if tail_only else ''})", refilled)
 
-    candidates.sort(key=key)
-    return candidates
+    return pool.ranked()
 
 
 def zbv_auto(
@@ -380,11 +365,9 @@ def zbv_auto(
     candidates = zbv_auto_candidates(
         n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit, w_memory=w_memory
     )
-    if not candidates:
-        raise ValueError(
-            f"zbv-auto: no schedule fits {memory_limit=} stage activations per rank ({n_stages=} "
-            f"{n_microbatches=} {w_memory=}); raise memory_limit"
-        )
-    best = candidates[0]
-    logger.info("zbv-auto picked %s (bubble %.4f)", best.label, best.result.bubble_ratio)
-    return best.schedule
+    return pick_best(
+        candidates,
+        "zbv-auto",
+        f"zbv-auto: no schedule fits {memory_limit=} stage activations per rank ({n_stages=} "
+        f"{n_microbatches=} {w_memory=}); raise memory_limit",
+    )

@@ -48,6 +48,7 @@ _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
 
 
 _EPS = 1e-9
+_GUARD_RANKS = 8  # the guard search tries ranks below this: further from rank 0 a W delays fewer ranks
 
 
 def _memory_limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float, ...]:
@@ -261,8 +262,9 @@ def auto_candidates(
 
     With ``tune`` the best greedy plan's settings are refined by a local search over which ranks guard
     their input gradients (``w_guard`` of :func:`greedy_schedule`): one pass over the ranks nearest the
-    first stage (those whose gradients every rank above waits for), guarding one more rank at a time and
-    keeping it guarded when that shortens the rank spans (compared longest first). Deterministic.
+    first stage (at most 8; those whose gradients every rank above waits for), guarding one more rank at a
+    time and keeping it guarded when that shortens the rank spans (compared longest first). It is skipped
+    when the longest rank never idles after its first ``B`` (nothing a guard could win). Deterministic.
     """
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
     p, m = n_stages, n_microbatches
@@ -299,20 +301,30 @@ def auto_candidates(
         consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
 
     best = next((c for c in pool.ranked() if c.label in settings), None)
-    if tune and best is not None and p > 1:
+    if tune and best is not None and p > 1 and _steady_idle(best) > _EPS:
         _tune_w_guard(best, settings[best.label], p, greedy)  # its trials join the pool
     return pool.ranked()
+
+
+def _steady_idle(c: AutoCandidate) -> float:
+    """Idle time of the longest rank after its first ``B``: what a guard could win back (the wait for the
+    first input gradient is set by the warm-up, not by ``W`` placement)."""
+    spans = [hi - lo for lo, hi in c.result.rank_spans]
+    r = max(range(len(spans)), key=spans.__getitem__)
+    acts, starts, ends = c.schedule.rank_actions[r], c.result.starts[r], c.result.ends[r]
+    first_b = next((j for j, a in enumerate(acts) if a.kind is _B), len(acts))
+    return sum(max(0.0, starts[j] - ends[j - 1]) for j in range(first_b + 1, len(acts)))
 
 
 def _tune_w_guard(
     best: AutoCandidate, options: dict, p: int, greedy: Callable[..., AutoCandidate | None]
 ) -> AutoCandidate | None:
-    """One coordinate-descent pass over the guards of ranks ``0 .. p/2 - 1`` (see :func:`auto_candidates`);
-    the best plan found, or None when no guard helps."""
+    """One coordinate-descent pass over the guards of ranks ``0 .. min(p/2, 8) - 1`` (see
+    :func:`auto_candidates`); the best plan found, or None when no guard helps."""
     guard = [False] * p
     current: AutoCandidate | None = None
     score = spans_key(best)
-    for s in range(max(1, p // 2)):
+    for s in range(max(1, min(p // 2, _GUARD_RANKS))):
         trial = guard.copy()
         trial[s] = True
         ranks = [r for r in range(p) if trial[r]]

@@ -98,6 +98,43 @@ def run_engine(
     sync_cost = tuple(sync) if sync is not None else (0.0,) * n_stages
     Overlap = OverlapAction
 
+    # When an action's inputs exist, given its rank is free at t; None after parking rank r on the missing one.
+    def f_ready(s: int, idx: int, t: float, r: int) -> float | None:
+        """``F(s, i)`` (``idx = s * m + i``): needs ``F(s - 1, i)``."""
+        if s:
+            d = fend[idx - m]
+            if d is None:
+                wait_f.setdefault(idx - m, []).append(r)
+                return None
+            d += from_prev[s]
+            if d > t:
+                return d
+        return t
+
+    def g_ready(s: int, idx: int, t: float, r: int) -> float | None:
+        """``B``/``BW(s, i)``: needs ``F(s, i)`` and the input gradient from ``(s + 1, i)``."""
+        d = fend[idx]
+        if d is None:
+            wait_f.setdefault(idx, []).append(r)
+            return None
+        if d > t:
+            t = d
+        if s < last:
+            d = gend[idx + m]
+            if d is None:
+                wait_g.setdefault(idx + m, []).append(r)
+                return None
+            d += from_next[s]
+            if d > t:
+                t = d
+        return t
+
+    def wake(waiting: dict[int, list[int]], idx: int) -> None:
+        """Requeue the ranks parked on output ``idx``."""
+        waiters = waiting.pop(idx, None)
+        if waiters:
+            work.extend(waiters)
+
     while work:
         r = work.pop()
         acts = rank_actions[r]
@@ -112,26 +149,9 @@ def run_engine(
                 fs, _, fi = a.forward
                 bs, bk, bi = a.backward
                 fidx, bidx = fs * m + fi, bs * m + bi
-                ready = t
-                if fs:
-                    d = fend[fidx - m]
-                    if d is None:
-                        wait_f.setdefault(fidx - m, []).append(r)
-                        break
-                    d += from_prev[fs]
-                    ready = d if d > ready else ready
-                d = fend[bidx]
-                if d is None:
-                    wait_f.setdefault(bidx, []).append(r)
+                ready = f_ready(fs, fidx, t, r)
+                if ready is None or (ready := g_ready(bs, bidx, ready, r)) is None:
                     break
-                ready = d if d > ready else ready
-                if bs < last:
-                    d = gend[bidx + m]
-                    if d is None:
-                        wait_g.setdefault(bidx + m, []).append(r)
-                        break
-                    d += from_next[bs]
-                    ready = d if d > ready else ready
                 if fend[fidx] is not None or gend[bidx] is not None:
                     refused[r] = True
                     break
@@ -140,80 +160,51 @@ def run_engine(
                 fend[fidx] = e
                 gend[bidx] = e
                 split[bidx] = bk is B
-                for key, waiting in ((fidx, wait_f), (bidx, wait_g)):
-                    waiters = waiting.pop(key, None)
-                    if waiters:
-                        work.extend(waiters)
-                st_append(ready)
-                en_append(e)
-                t = e
-                p += 1
-                continue
-            s, k, i = a
-            if i is None:  # gradient-sync point: no inputs
-                st_append(t)
-                t = t + sync_cost[s] if k is _RF else t
-                en_append(t)
-                p += 1
-                continue
-            idx = s * m + i
-            if k is F:
-                ready = t
-                if s:
-                    d = fend[idx - m]
-                    if d is None:
-                        wait_f.setdefault(idx - m, []).append(r)
+                wake(wait_f, fidx)
+                wake(wait_g, bidx)
+            else:
+                s, k, i = a
+                if i is None:  # gradient-sync point: no inputs
+                    ready = t
+                    e = t + sync_cost[s] if k is _RF else t
+                elif k is F:
+                    idx = s * m + i
+                    if (ready := f_ready(s, idx, t, r)) is None:
                         break
-                    d += from_prev[s]
-                    if d > ready:
-                        ready = d
-                if fend[idx] is not None:
-                    refused[r] = True
-                    break
-                e = ready + f[s]
-                fend[idx] = e
-                if wait_f:
-                    waiters = wait_f.pop(idx, None)
-                    if waiters:
-                        work.extend(waiters)
-            elif k is W:
-                d = gend[idx]
-                if d is None:
-                    wait_g.setdefault(idx, []).append(r)
-                    break
-                if not split[idx] or wdone[idx]:
-                    refused[r] = True
-                    break
-                ready = d if d > t else t
-                e = ready + w[s]
-                wdone[idx] = True
-            else:  # B or BW
-                d = fend[idx]
-                if d is None:
-                    wait_f.setdefault(idx, []).append(r)
-                    break
-                ready = d if d > t else t
-                if s < last:
-                    d = gend[idx + m]
-                    if d is None:
-                        wait_g.setdefault(idx + m, []).append(r)
+                    if fend[idx] is not None:
+                        refused[r] = True
                         break
-                    d += from_next[s]
-                    if d > ready:
-                        ready = d
-                if gend[idx] is not None:
-                    refused[r] = True
-                    break
-                if k is B:
-                    e = ready + b[s]
-                    split[idx] = True
-                else:
-                    e = ready + bw[s]
-                gend[idx] = e
-                if wait_g:
-                    waiters = wait_g.pop(idx, None)
-                    if waiters:
-                        work.extend(waiters)
+                    e = ready + f[s]
+                    fend[idx] = e
+                    if wait_f:
+                        wake(wait_f, idx)
+                elif k is W:
+                    idx = s * m + i
+                    d = gend[idx]
+                    if d is None:
+                        wait_g.setdefault(idx, []).append(r)
+                        break
+                    if not split[idx] or wdone[idx]:
+                        refused[r] = True
+                        break
+                    ready = d if d > t else t
+                    e = ready + w[s]
+                    wdone[idx] = True
+                else:  # B or BW
+                    idx = s * m + i
+                    if (ready := g_ready(s, idx, t, r)) is None:
+                        break
+                    if gend[idx] is not None:
+                        refused[r] = True
+                        break
+                    if k is B:
+                        e = ready + b[s]
+                        split[idx] = True
+                    else:
+                        e = ready + bw[s]
+                    gend[idx] = e
+                    if wait_g:
+                        wake(wait_g, idx)
             st_append(ready)
             en_append(e)
             t = e

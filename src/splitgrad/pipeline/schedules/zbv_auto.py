@@ -61,6 +61,15 @@ def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float
     )  # fmt: skip
 
 
+def _check_shape(n_stages: int, n_microbatches: int) -> None:
+    """``ValueError`` unless both are integers >= 1 and ``n_stages`` is even (two stages per rank)."""
+    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
+    if n_stages % 2:
+        raise ValueError(
+            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
+        )
+
+
 @gc_paused()
 def zbv_greedy(
     n_stages: int,
@@ -106,11 +115,7 @@ def zbv_greedy(
     Raises:
         ValueError: odd ``n_stages``, bad costs, limits or options.
     """
-    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
-    if n_stages % 2:
-        raise ValueError(
-            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
-        )
+    _check_shape(n_stages, n_microbatches)
     if fill not in ("eager", "fit"):
         raise ValueError(f"zbv-auto: fill must be 'eager' or 'fit', got {fill=}")
     p, m, n = n_stages // 2, n_microbatches, n_stages
@@ -256,11 +261,7 @@ def zbv_auto_candidates(
     w_memory: float = 1.0,
 ) -> list[ZbvCandidate]:
     """Every candidate zbv-auto weighs (greedy variants and the fixed ``zbv`` if it fits), best first."""
-    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
-    if n_stages % 2:
-        raise ValueError(
-            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
-        )
+    _check_shape(n_stages, n_microbatches)
     p, m = n_stages // 2, n_microbatches
     limits = _limits(memory_limit, p)
     pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)

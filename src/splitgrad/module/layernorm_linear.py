@@ -12,10 +12,11 @@ from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
 from ..functional.tp_config import shard_size, tensor_parallel_config
+from ..functional.tp_sequence import gather_sequence
 from ._linear_wgrad import hand_over_linear_wgrad
 from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
 from ._tp_linear import SP_WGRAD_INPUTS, _TPLinearFunction
-from ._tp_norm import gather_sequence, norm_autograd
+from ._tp_norm import norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
 __all__ = ["LayerNormLinear"]
@@ -225,7 +226,7 @@ class LayerNormLinear(SplitModule):
             if self.return_layernorm_output and self.return_layernorm_output_gathered:
                 # TE hands out the gathered copy its GEMM used; here it is gathered once more (a second
                 # all-gather in forward, a reduce-scatter of its gradient in backward).
-                ln_out = gather_sequence(ln_out, self.tp)
+                ln_out = gather_sequence(ln_out, self.tp, partial_grad=True)
             out = (y, ln_out) if self.return_layernorm_output else y
         else:
             out = self.apply_function(

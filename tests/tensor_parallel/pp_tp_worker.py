@@ -62,17 +62,22 @@ def pp_tp_worker(rank: int, world: int, schedules: list[str]) -> dict:
             "checked": len(params),
         }
     out["tp2xdp2 ddp"] = tp_dp_check(groups, common)
+    out["tp2xdp2 ddp sp"] = tp_dp_check(groups, common, sp=True)
     return out
 
 
-def tp_dp_check(groups, common: dict) -> dict:
-    """tp=2 x dp=2: splitgrad DDP over the outer group of a TP GPT (deferred wgrad, hook-driven buckets)."""
+def tp_dp_check(groups, common: dict, sp: bool = False) -> dict:
+    """tp=2 x dp=2: splitgrad DDP over the outer group of a TP GPT (deferred wgrad, hook-driven buckets).
+
+    With ``sp`` the GPT is sequence parallel and the partial gradients are summed over the TP group after the
+    data-parallel sync (in ``main_grad``).
+    """
     torch.manual_seed(0)
     full = GPT(GPTConfig(**common))
     with torch.no_grad():
         for p in full.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    model = GPT(GPTConfig(**common, tp_size=2), tp_group=groups.tp_group)
+    model = GPT(GPTConfig(**common, tp_size=2, sequence_parallel=sp), tp_group=groups.tp_group)
     model.load_state_dict(shard_gpt_state_dict(full.state_dict(), model.config, groups.tp_rank, 2))
     ddp = DDP(model, process_group=groups.outer_group, grad_reduce_dtype=None, bucket_size=2000, timeout=120)
     batches = [token_batch(1, seed=200 + d) for d in range(2)]
@@ -80,6 +85,7 @@ def tp_dp_check(groups, common: dict) -> dict:
     lm_loss(ddp(ids), tgt).backward()
     splitgrad.backward_dw(model)
     ddp.finish_grad_sync()
+    reduced = allreduce_sequence_parallel_grads(model, groups.tp_group) if sp else 0
     ref_loss = sum(lm_loss(full(i), t) for i, t in batches) / 2  # the data-parallel average
     ref_loss.backward()
     splitgrad.backward_dw(full)
@@ -92,4 +98,4 @@ def tp_dp_check(groups, common: dict) -> dict:
         if not torch.allclose(p.main_grad, ref[n], rtol=RTOL, atol=ATOL)
     ]
     return {"bad": bad, "loss": ref_loss.item(), "ref_loss": ref_loss.item(), "w_tasks": 1,
-            "checked": sum(1 for _ in model.parameters())}  # fmt: skip
+            "checked": sum(1 for _ in model.parameters()), "reduced": reduced}  # fmt: skip

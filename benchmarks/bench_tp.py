@@ -45,7 +45,12 @@ from splitgrad.testing import spawn
 
 
 class WaitRecorder:
-    """Times every asynchronous TP collective: started, wait began, wait ended (perf_counter), bytes."""
+    """Times every asynchronous TP collective: started, wait began, wait ended (perf_counter), bytes sent.
+
+    Bytes are what one rank sends in a ring over ``world`` ranks: an all-gather its ``1/world`` share to
+    ``world - 1`` peers, a reduce-scatter ``world - 1`` blocks of its result's size, an all-reduce twice
+    ``(world - 1) / world`` of the tensor.
+    """
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str, float, int]] = []  # (kind, what, time, bytes)
@@ -64,7 +69,14 @@ class WaitRecorder:
         def traced_init(pc, result, work, what, timeout_s):  # the original signature
             init(pc, result, work, what, timeout_s)
             if work is not None:  # asynchronous: the overlappable ones
+                world = dist.get_world_size()
                 size = result.numel() * result.element_size()
+                if what.startswith("all-gather"):
+                    size = size * (world - 1) // world
+                elif what.startswith("reduce-scatter"):
+                    size = size * (world - 1)
+                else:
+                    size = 2 * size * (world - 1) // world
                 started[id(pc)] = what
                 rec.events.append(("start", what, time.perf_counter(), size))
                 rec.bytes += size
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"TP MLP block, 2 ranks x 1 thread, s={a.seq} b=1 h={a.hidden} ffn={a.ffn} fp32, sequence parallel")
     ps = res[0]["per_step"][True]
     print(
-        f"overlappable collectives per step and rank: {ps['waits']:.0f} waits, {ps['mib']:.2f} MiB "
+        f"overlappable collectives per step and rank: {ps['waits']:.0f} waits, {ps['mib']:.2f} MiB sent "
         "(input all-gather + dgrad reduce-scatter of the column layer)"
     )
     print(

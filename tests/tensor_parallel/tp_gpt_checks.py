@@ -83,6 +83,16 @@ def check_gpt_sequence_parallel(rank: int, world: int) -> None:
             torch.testing.assert_close(
                 grad(p), expected[n], **TOL, msg=lambda m, n=n, w=what: f"{w} {n}: {m}"
             )
+    # Pipeline stages announce the sequence shard they pass on.
+    from splitgrad.models import split_into_stages
+
+    first, last = split_into_stages(tp, 2)
+    if first.output_meta(2, 6) != ((6 // world, 2, 24), F64) or last.input_meta(2, 6) != first.output_meta(
+        2, 6
+    ):
+        raise AssertionError(
+            f"stage metas {first.output_meta(2, 6)} {last.input_meta(2, 6)}: not (s/tp, b, h)"
+        )
     # A sequence the TP size does not divide is refused with a clear error.
     if world > 1:
         _, tp = _sp_model(world, "gelu")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.testing import spawn
-from tests.tensor_parallel import tp_checks, tp_module_checks
+from tests.tensor_parallel import tp_checks, tp_gpt_checks, tp_keyword_checks, tp_module_checks
 
 pytestmark = pytest.mark.distributed
 
-NAMES = tp_checks.ALL + tp_module_checks.ALL
+NAMES = tp_checks.ALL + tp_module_checks.ALL + tp_keyword_checks.ALL + tp_gpt_checks.ALL
 
 
 @pytest.fixture(scope="module")

@@ -296,12 +296,17 @@ def check_gpt_tp(rank: int, world: int) -> None:
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, object]:
     torch.manual_seed(0)
-    from tests.tensor_parallel import tp_module_checks
+    from tests.tensor_parallel import tp_gpt_checks, tp_keyword_checks, tp_module_checks
 
     out: dict[str, object] = {}
     for name in names:
         try:
-            fn = globals().get(name) or getattr(tp_module_checks, name)
+            fn = (
+                globals().get(name)
+                or getattr(tp_module_checks, name, None)
+                or getattr(tp_keyword_checks, name, None)
+                or getattr(tp_gpt_checks, name)
+            )
             value = fn(rank, world)
             out[name] = None
             if value is not None:

@@ -66,6 +66,10 @@ class GPTConfig:
     tp_size: int = 1
     """Tensor-parallel ranks: attention heads and the MLP's inner size are split over them (``GPT(config,
     tp_group=...)``, see docs/tensor_parallel.md); 1 is the unsplit model."""
+    sequence_parallel: bool = False
+    """With ``tp_size > 1``: the residual stream between the embedding and the head is sequence-first and
+    sharded on the sequence, ``(seq / tp_size, batch, hidden)`` (Megatron's sequence parallelism); the
+    sequence length of every input must then divide by ``tp_size``. A no-op with ``tp_size=1`` (as TE)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

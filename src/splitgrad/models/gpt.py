@@ -1,6 +1,7 @@
 """A small GPT built from splitgrad layers (pre-norm blocks, learned positions, tied or untied head).
 
-Layout of one block (the residual stream ``x: (batch, seq, hidden)``)::
+Layout of one block (the residual stream ``x: (batch, seq, hidden)``; ``(seq / tp, batch, hidden)`` under
+sequence parallelism)::
 
     x = x + proj(sdpa_causal(split_heads(LayerNormLinear_qkv(x))))     # attention branch
     x = x + LayerNormMLP(x)                                             # MLP branch (MoE: MoEMLP)
@@ -24,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
+from ..functional.tp_sequence import gather_sequence, split_sequence
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
@@ -38,8 +41,19 @@ def _tp_kwargs(tp_group: dist.ProcessGroup | None, config: GPTConfig, mode: str 
     """Tensor-parallel keywords of one layer (none for the unsplit model)."""
     if config.tp_size == 1:
         return {}
-    kw = {"tp_group": tp_group, "tp_size": config.tp_size}
+    kw = {"tp_group": tp_group, "tp_size": config.tp_size, "sequence_parallel": config.sequence_parallel}
     return kw if mode is None else {**kw, "parallel_mode": mode}
+
+
+def sequence_parallel_config(
+    tp_group: dist.ProcessGroup | None, config: GPTConfig
+) -> TensorParallelConfig | None:
+    """The config of the model's sequence-parallel region, or None when the residual stream is not sharded."""
+    if config.tp_size == 1 or not config.sequence_parallel:
+        return None
+    return tensor_parallel_config(
+        tp_group=tp_group, tp_size=config.tp_size, parallel_mode="column", sequence_parallel=True, owner="GPT"
+    )
 
 
 def split_kwargs(config: GPTConfig) -> dict:
@@ -78,10 +92,16 @@ class Norm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding: ``ids: (batch, seq) int64`` -> ``(batch, seq, hidden)``."""
+    """Token plus learned position embedding: ``ids: (batch, seq) int64`` -> ``(batch, seq, hidden)``.
 
-    def __init__(self, config: GPTConfig) -> None:
+    With ``sp`` (sequence parallelism) the output enters the sharded region: ``(seq / tp, batch, hidden)``,
+    this rank's sequence block of the (replicated) embedding; backward all-gathers the blocks' gradients, so
+    the embedding gradients are whole and identical on every TP rank.
+    """
+
+    def __init__(self, config: GPTConfig, sp: TensorParallelConfig | None = None) -> None:
         super().__init__()
+        self.sp = sp
         self.seq_len = config.seq_len
         self.dropout = config.dropout
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
@@ -97,7 +117,11 @@ class Embedding(nn.Module):
                 f"Embedding: sequence of {ids.shape[1]} tokens is longer than seq_len={self.seq_len}"
             )
         pos = torch.arange(ids.shape[1], device=ids.device)
-        return F.dropout(self.wte(ids) + self.wpe(pos), self.dropout, self.training)
+        x = self.wte(ids) + self.wpe(pos)
+        if self.sp is not None:
+            # Dropout after the split, on this rank's block (as Megatron): the RNG draws differ from tp=1.
+            x = split_sequence(x.transpose(0, 1), self.sp)
+        return F.dropout(x, self.dropout, self.training)
 
 
 class Attention(nn.Module):
@@ -107,7 +131,9 @@ class Attention(nn.Module):
     along the last dimension, each split into ``num_heads`` contiguous heads; attention is
     ``F.scaled_dot_product_attention(..., is_causal=True)``; ``proj`` is a :class:`~splitgrad.Linear`.
     With ``config.tp_size > 1``, ``qkv`` is column-parallel (this rank's heads of q, k and v: ``[q_r | k_r |
-    v_r]``), attention runs on ``num_heads / tp_size`` heads and ``proj`` is row-parallel.
+    v_r]``), attention runs on ``num_heads / tp_size`` heads and ``proj`` is row-parallel. With
+    ``config.sequence_parallel`` the branch maps ``(seq / tp, batch, hidden)`` to the same: ``qkv`` all-gathers
+    the sequence, ``proj`` reduce-scatters it.
     """
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None) -> None:
@@ -127,15 +153,23 @@ class Attention(nn.Module):
         )
         self.proj = Linear(h, h, config.bias, **_tp_kwargs(tp_group, config, "row"), **split_kwargs(config))
         self.head_dim = config.head_dim
+        self.seq_first = sequence_parallel_config(tp_group, config) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # (b, s, 3, heads, hd) -> three (b, heads, s, hd)
-        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv(x)
+        if self.seq_first:
+            # (s, b, 3, heads, hd) -> three (b, heads, s, hd): qkv gathered the whole sequence
+            s, b, _ = qkv.shape
+            q, k, v = qkv.view(s, b, 3, self.num_heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
+        else:
+            # (b, s, 3, heads, hd) -> three (b, heads, s, hd)
+            b, s, _ = qkv.shape
+            q, k, v = qkv.view(b, s, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        y = y.permute(2, 0, 1, 3) if self.seq_first else y.transpose(1, 2)  # (s, b, ...) or (b, s, ...)
+        return self.proj(y.reshape(*y.shape[:2], self.num_heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -154,7 +188,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
-            raise ValueError(f"Block: input must be (batch, seq, hidden), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"Block: input must be (batch, seq, hidden) (sequence parallel: (seq / tp, batch, hidden)), got "
+                f"shape {tuple(x.shape)}"
+            )
         x = x + F.dropout(self.attn(x), self.dropout, self.training)
         return x + F.dropout(self.mlp(x), self.dropout, self.training)
 
@@ -170,10 +207,15 @@ class Head(nn.Module):
 
     Untied, the projection is a bias-free :class:`~splitgrad.Linear` (``proj``); tied, the caller passes the
     token embedding ``(vocab, hidden)`` to :meth:`forward` and ``proj`` is None.
+
+    With ``sp`` the input ``(seq / tp, batch, hidden)`` leaves the sharded region first: all-gathered and made
+    batch-first; the norm and the head then run replicated on every TP rank, so their gradients are whole (a
+    backward keeps this rank's block of the gradient, which is the same on every rank).
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, sp: TensorParallelConfig | None = None) -> None:
         super().__init__()
+        self.sp = sp
         self.norm = Norm(config)
         self.tied = config.tie_embeddings
         self.proj = (
@@ -188,6 +230,8 @@ class Head(nn.Module):
                 f"Head: tie_embeddings={self.tied} needs tied_weight {'given' if self.tied else 'None'}, "
                 f"got {'None' if tied_weight is None else 'a tensor'}"
             )
+        if self.sp is not None:
+            x = gather_sequence(x, self.sp, partial_grad=False).transpose(0, 1)
         x = self.norm(x)
         return F.linear(x, tied_weight) if self.tied else self.proj(x)
 
@@ -201,7 +245,11 @@ class GPT(nn.Module):
         tp_group: the tensor-parallel group of ``config.tp_size`` ranks (required when it is > 1): every
             block's heads and MLP inner size are split over it; embeddings, norms and the head are
             replicated (their gradients are identical on every TP rank). Load a ``tp_size=1`` model's weights
-            with :func:`splitgrad.models.shard_gpt_state_dict`.
+            with :func:`splitgrad.models.shard_gpt_state_dict`. With ``config.sequence_parallel`` the
+            residual stream is sharded on the sequence between the embedding and the head; the gradients of
+            the block norms and row biases are then partial (``param.sequence_parallel``): call
+            :func:`splitgrad.parallel.tensor.allreduce_sequence_parallel_grads` once per step, after
+            ``backward_dw``.
     """
 
     def __init__(
@@ -217,11 +265,12 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
         self.tp_group = tp_group
-        self.embed = Embedding(config)
+        sp = sequence_parallel_config(tp_group, config)
+        self.embed = Embedding(config, sp)
         self.blocks = nn.ModuleList(
             Block(config, self._make_mlp(config, i), tp_group) for i in range(config.num_layers)
         )
-        self.head = Head(config)
+        self.head = Head(config, sp)
         self.reset_parameters()
         if device is not None:
             self.to(device)

@@ -7,7 +7,8 @@ Stage contract (what the pipeline runtime may rely on):
 * ``stage(x)`` takes exactly one tensor and returns exactly one tensor:
 
   - first stage consumes token ids ``(batch, seq)`` int64; every other stage consumes the previous stage's
-    output ``(batch, seq, hidden)`` in the parameter dtype;
+    output ``(batch, seq, hidden)`` in the parameter dtype (``(seq / tp, batch, hidden)``, this rank's
+    sequence block, with ``config.sequence_parallel`` and ``tp_size > 1``);
   - the last stage produces logits ``(batch, seq, vocab)`` for :func:`~splitgrad.models.lm_loss`; every other
     stage produces ``(batch, seq, hidden)``.
 
@@ -50,6 +51,8 @@ class StageModule(nn.Module):
         self.layers = layers
         self.hidden_size = model.config.hidden_size
         self.vocab_size = model.config.vocab_size
+        #: Ranks the activations between stages are sharded over on the sequence (1: not sharded).
+        self.sequence_shards = model.config.tp_size if model.config.sequence_parallel else 1
         self.tied = model.config.tie_embeddings
         self.embed = model.embed if self.is_first else None
         # Keyed by the global index so parameter names match the model's ("blocks.3.attn.qkv.weight").
@@ -90,11 +93,18 @@ class StageModule(nn.Module):
         """``(shape, dtype)`` of the tensor this stage consumes for one microbatch (for receive buffers)."""
         if self.is_first:
             return (batch_size, seq_len), torch.long
-        return (batch_size, seq_len, self.hidden_size), self.dtype
+        return self._hidden_shape(batch_size, seq_len), self.dtype
 
     def output_meta(self, batch_size: int, seq_len: int) -> tuple[tuple[int, ...], torch.dtype]:
         """``(shape, dtype)`` of the tensor this stage produces for one microbatch."""
-        return (batch_size, seq_len, self.vocab_size if self.is_last else self.hidden_size), self.dtype
+        if self.is_last:
+            return (batch_size, seq_len, self.vocab_size), self.dtype
+        return self._hidden_shape(batch_size, seq_len), self.dtype
+
+    def _hidden_shape(self, batch_size: int, seq_len: int) -> tuple[int, ...]:
+        if self.sequence_shards == 1:
+            return (batch_size, seq_len, self.hidden_size)
+        return (seq_len // self.sequence_shards, batch_size, self.hidden_size)
 
     def extra_repr(self) -> str:
         return (

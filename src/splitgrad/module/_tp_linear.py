@@ -27,7 +27,7 @@ from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce,
 from ..functional.tp_config import TensorParallelConfig
 from ..functional.wgrad import accumulate_grad, bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
-__all__ = ["SP_WGRAD_INPUTS", "TPLinearFunction", "hand_over_tp_wgrad"]
+__all__ = ["SP_WGRAD_INPUTS", "hand_over_tp_wgrad"]
 
 #: What a deferred column-parallel W task keeps under sequence parallelism (see the module docstring).
 SP_WGRAD_INPUTS = ("keep", "regather")
@@ -79,7 +79,7 @@ def hand_over_tp_wgrad(
     )  # fmt: skip
 
 
-class TPLinearFunction(torch.autograd.Function):
+class _TPLinearFunction(torch.autograd.Function):
     """``y = x @ W.T + b`` split over ``owner.tp`` (a :class:`TensorParallelConfig` with ``splits``).
 
     Shapes (``tp`` ranks, ``s`` the sequence, dim 0 of sequence-parallel activations): column ``x: (..., in)``

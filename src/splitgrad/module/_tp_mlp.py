@@ -21,10 +21,10 @@ from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce,
 from ..functional.tp_config import TensorParallelConfig
 from ..functional.wgrad import accumulate_grad, bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 
-__all__ = ["TPMLPFunction"]
+__all__: list[str] = []  # the Function is private to LayerNormMLP
 
 
-class TPMLPFunction(torch.autograd.Function):
+class _TPMLPFunction(torch.autograd.Function):
     """``fc2(act(fc1(ln_out)))`` over ``owner.tp``; shapes in the module docstring."""
 
     @staticmethod

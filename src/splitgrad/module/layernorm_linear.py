@@ -12,8 +12,10 @@ from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
 from ..functional.tp_config import shard_size, tensor_parallel_config
+from ..functional.tp_sequence import gather_sequence
 from ._linear_wgrad import hand_over_linear_wgrad
-from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
+from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
+from ._tp_linear import SP_WGRAD_INPUTS, _TPLinearFunction
 from ._tp_norm import norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
@@ -101,6 +103,13 @@ class LayerNormLinear(SplitModule):
         fuse_wgrad_accumulation: add the linear's weight gradient into ``weight.main_grad``.
         params_dtype: parameter dtype (default: torch's default dtype).
         device: parameter device.
+        return_layernorm_output_gathered: with ``return_layernorm_output`` under sequence parallelism, the
+            returned norm output is all-gathered to ``(s, b, in_features)`` (its gradient reduce-scattered back);
+            otherwise no effect (TE's meaning).
+        get_rng_state_tracker, name: as :class:`~splitgrad.Linear`.
+        parameters_split, symmetric_ar_type, ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad,
+            ub_bulk_wgrad: accepted at TE's default only; ub_name: accepted, no effect. Every TE keyword:
+            docs/modules.md.
 
     Shapes: input ``(..., in_features)`` -> output ``(..., out_features)``.
     """
@@ -126,10 +135,27 @@ class LayerNormLinear(SplitModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         sp_wgrad_input: str = "keep",
+        return_layernorm_output_gathered: bool = False,
+        get_rng_state_tracker: Callable[[], object] | None = None,
+        name: str | None = None,
+        parameters_split: object = None,
+        symmetric_ar_type: str | None = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: str | None = None,
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"LayerNormLinear needs positive sizes, got {in_features=} {out_features=}")
+        refuse_unsupported_te_keywords(
+            "LayerNormLinear", f"LayerNormLinear({in_features}, {out_features})", locals()
+        )
+        self.name = name
+        self._rng_tracker = get_rng_state_tracker
+        self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         check_normalization("LayerNormLinear", normalization)
         if eps < 0:
             raise ValueError(f"LayerNormLinear: eps must be >= 0, got {eps=}")
@@ -176,10 +202,11 @@ class LayerNormLinear(SplitModule):
     def reset_parameters(self) -> None:
         """Norm: gamma ones (zeros when zero-centered), beta zeros; linear: ``torch.nn.Linear``'s init."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
-        if self._init_method is None:
-            linear_init_(self.weight, self.bias)
-        else:
-            init_tp_linear_("column", self.weight, self.bias, self.in_features, self._init_method)
+        with rng_tracker_fork(self._rng_tracker):
+            if self._init_method is None:
+                linear_init_(self.weight, self.bias)
+            else:
+                init_tp_linear_("column", self.weight, self.bias, self.in_features, self._init_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x: (..., in_features)`` -> ``(..., out_features)`` (and ``ln_out: (..., in_features)``).
@@ -195,7 +222,11 @@ class LayerNormLinear(SplitModule):
                 x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
                 eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
             )  # fmt: skip
-            y = self.apply_function(TPLinearFunction, ln_out, self.weight, bias, self)
+            y = self.apply_function(_TPLinearFunction, ln_out, self.weight, bias, self)
+            if self.return_layernorm_output and self.return_layernorm_output_gathered:
+                # TE hands out the gathered copy its GEMM used; here it is gathered once more (a second
+                # all-gather in forward, a reduce-scatter of its gradient in backward).
+                ln_out = gather_sequence(ln_out, self.tp, partial_grad=True)
             out = (y, ln_out) if self.return_layernorm_output else y
         else:
             out = self.apply_function(
@@ -216,7 +247,8 @@ class LayerNormLinear(SplitModule):
         return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
 
     def extra_repr(self) -> str:
-        text = (
+        text = f"name={self.name!r}, " if self.name is not None else ""
+        text += (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"normalization={self.normalization}"
         )

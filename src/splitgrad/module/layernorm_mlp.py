@@ -14,8 +14,9 @@ from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
 from ..functional.tp_config import shard_size, tensor_parallel_config
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
 from ._tp_linear import SP_WGRAD_INPUTS
-from ._tp_mlp import TPMLPFunction
+from ._tp_mlp import _TPMLPFunction
 from ._tp_norm import norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
@@ -121,6 +122,17 @@ class LayerNormMLP(SplitModule):
         fuse_wgrad_accumulation: add the fcs' weight gradients into their ``main_grad``.
         params_dtype: parameter dtype (default: torch's default dtype).
         device: parameter device.
+        set_parallel_mode: TE's switch for fc1 column / fc2 row. None or True: split whenever ``tp_group`` has
+            more than one rank; False with such a group (TE: sharded weights, no communication) is a
+            ``ValueError``.
+        output_layer_init_method: ``output_layer_init_method(weight)`` initialises the local fc2 weight (then
+            ``init_method`` initialises only fc1, as TE); None: fc2 as without it.
+        get_rng_state_tracker, name: as :class:`~splitgrad.Linear`.
+        activation_params, return_layernorm_output, return_layernorm_output_gathered, checkpoint,
+            symmetric_ar_type, ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad:
+            accepted at TE's default only (``ValueError`` otherwise, saying what to use).
+        seq_length, micro_batch_size: accepted, no effect (TE warms up JIT kernels with them). Every TE
+            keyword: docs/modules.md.
 
     Shapes: input ``(..., hidden_size)`` -> output ``(..., hidden_size)``.
     """
@@ -145,10 +157,31 @@ class LayerNormMLP(SplitModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         sp_wgrad_input: str = "keep",
+        set_parallel_mode: bool | None = None,
+        output_layer_init_method: Callable[[torch.Tensor], object] | None = None,
+        get_rng_state_tracker: Callable[[], object] | None = None,
+        name: str | None = None,
+        activation_params: dict | None = None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+        checkpoint: bool = False,
+        symmetric_ar_type: str | None = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(f"LayerNormMLP needs positive sizes, got {hidden_size=} {ffn_hidden_size=}")
+        owner = f"LayerNormMLP({hidden_size}, {ffn_hidden_size})"
+        refuse_unsupported_te_keywords("LayerNormMLP", owner, locals())
+        self.name = name
+        self._rng_tracker = get_rng_state_tracker
+        self._output_layer_init_method = output_layer_init_method
         check_normalization("LayerNormMLP", normalization)
         check_activation("LayerNormMLP", activation)
         if eps < 0:
@@ -163,12 +196,16 @@ class LayerNormMLP(SplitModule):
             raise ValueError(
                 f"LayerNormMLP: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
             )
-        owner = f"LayerNormMLP({hidden_size}, {ffn_hidden_size})"
         # fc1 column / fc2 row is implied; the config records "column" for the module's input side.
         self.tp = tensor_parallel_config(
             tp_group=tp_group, tp_size=tp_size, parallel_mode="column" if tp_group is not None else None,
             sequence_parallel=sequence_parallel, owner=owner,
         )  # fmt: skip
+        if set_parallel_mode is False and self.tp.size > 1:
+            raise ValueError(
+                f"{owner}: set_parallel_mode=False with a {self.tp.size}-rank tp_group (TE's sharded weights "
+                "without communication) is not supported; pass set_parallel_mode=True or leave it None"
+            )
         self.return_bias = bool(return_bias)
         self.sp_wgrad_input = sp_wgrad_input
         #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
@@ -201,13 +238,17 @@ class LayerNormMLP(SplitModule):
     def reset_parameters(self) -> None:
         """Identity norm; each fc initialised like a ``torch.nn.Linear`` of the same shape."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
-        if self._init_method is None and not self.tp.splits:
-            linear_init_(self.fc1_weight, self.fc1_bias)
-            linear_init_(self.fc2_weight, self.fc2_bias)
-            return
-        fc2_mode = "row" if self.tp.splits else None
-        init_tp_linear_("column", self.fc1_weight, self.fc1_bias, self.hidden_size, self._init_method)
-        init_tp_linear_(fc2_mode, self.fc2_weight, self.fc2_bias, self.ffn_hidden_size, self._init_method)
+        fc2_init = self._output_layer_init_method
+        with rng_tracker_fork(self._rng_tracker):
+            if self._init_method is None and fc2_init is None and not self.tp.splits:
+                linear_init_(self.fc1_weight, self.fc1_bias)
+                linear_init_(self.fc2_weight, self.fc2_bias)
+                return
+            fc2_mode = "row" if self.tp.splits else None
+            if fc2_init is None:
+                fc2_init = self._init_method  # init_method covers both fcs unless fc2 has its own (as before)
+            init_tp_linear_("column", self.fc1_weight, self.fc1_bias, self.hidden_size, self._init_method)
+            init_tp_linear_(fc2_mode, self.fc2_weight, self.fc2_bias, self.ffn_hidden_size, fc2_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """``x: (..., hidden_size)`` -> ``(..., hidden_size)`` (``(s/tp, b, hidden)`` in and out under
@@ -220,7 +261,7 @@ class LayerNormMLP(SplitModule):
                 eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
             )  # fmt: skip
             y = self.apply_function(
-                TPMLPFunction, ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self
+                _TPMLPFunction, ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self
             )
         else:
             y = self.apply_function(
@@ -272,7 +313,8 @@ class LayerNormMLP(SplitModule):
             )  # fmt: skip
 
     def extra_repr(self) -> str:
-        text = (
+        text = f"name={self.name!r}, " if self.name is not None else ""
+        text += (
             f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
             f"bias={self.fc1_bias is not None}, normalization={self.normalization}, activation={self.activation}"
         )

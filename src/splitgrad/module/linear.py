@@ -12,7 +12,8 @@ from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.tp_config import TensorParallelConfig, shard_size, tensor_parallel_config
 from ._linear_wgrad import hand_over_linear_wgrad
-from ._tp_linear import SP_WGRAD_INPUTS, TPLinearFunction
+from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
+from ._tp_linear import SP_WGRAD_INPUTS, _TPLinearFunction
 from ._tp_params import init_tp_linear_, mark_tp_params
 
 __all__ = ["Linear"]
@@ -79,6 +80,14 @@ class Linear(SplitModule):
             to ``bias.grad``.
         params_dtype: parameter dtype (default: torch's default dtype).
         device: parameter device.
+        get_rng_state_tracker: initialise the parameters inside ``get_rng_state_tracker().fork()`` (TE's;
+            Megatron's tracker seeds its model-parallel state per TP rank, so weight shards differ).
+        rng_tracker_name: the name passed to ``fork`` (None: the tracker's default).
+        name: the module's name, shown in its repr and error messages.
+        parameters_split, symmetric_ar_type, ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad,
+            ub_bulk_wgrad: accepted at TE's default only (``ValueError`` otherwise, saying what to use).
+        ub_name, save_original_input: accepted, no effect (no userbuffers, no quantization).
+            Every TE keyword: docs/modules.md.
 
     Shapes: input ``(..., in_features)`` -> output ``(..., out_features)``.
     """
@@ -100,10 +109,25 @@ class Linear(SplitModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         sp_wgrad_input: str = "keep",
+        get_rng_state_tracker: Callable[[], object] | None = None,
+        rng_tracker_name: str | None = None,
+        name: str | None = None,
+        parameters_split: object = None,
+        symmetric_ar_type: str | None = None,
+        save_original_input: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: str | None = None,
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear needs positive sizes, got {in_features=} {out_features=}")
+        refuse_unsupported_te_keywords("Linear", f"Linear({in_features}, {out_features})", locals())
+        self.name = name
+        self._rng = (get_rng_state_tracker, rng_tracker_name)
         if sp_wgrad_input not in SP_WGRAD_INPUTS:
             raise ValueError(
                 f"Linear: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
@@ -131,17 +155,21 @@ class Linear(SplitModule):
         )
 
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation (or ``init_method``), so seeded models match it exactly."""
-        if self._init_method is None and not self.tp.splits:
-            linear_init_(self.weight, self.bias)
-        else:
-            init_tp_linear_(
-                self.tp.parallel_mode if self.tp.splits else None,
-                self.weight,
-                self.bias,
-                self.in_features,
-                self._init_method,
-            )
+        """``torch.nn.Linear``'s initialisation (or ``init_method``), so seeded models match it exactly.
+
+        With ``get_rng_state_tracker`` all of it runs inside the tracker's ``fork`` (as TE).
+        """
+        with rng_tracker_fork(*self._rng):
+            if self._init_method is None and not self.tp.splits:
+                linear_init_(self.weight, self.bias)
+            else:
+                init_tp_linear_(
+                    self.tp.parallel_mode if self.tp.splits else None,
+                    self.weight,
+                    self.bias,
+                    self.in_features,
+                    self._init_method,
+                )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """``x: (..., in_features)`` -> ``(..., out_features)``; sharded shapes: docs/tensor_parallel.md.
@@ -151,7 +179,7 @@ class Linear(SplitModule):
         bias = None if self.return_bias else self.bias
         if self.tp.splits:
             self._check_last_dim(x, self.weight.shape[1], "in_features // tp_size (local)")
-            y = self.apply_function(TPLinearFunction, x, self.weight, bias, self)
+            y = self.apply_function(_TPLinearFunction, x, self.weight, bias, self)
         else:
             self._check_last_dim(x, self.in_features, "in_features")
             y = self.apply_function(_LinearFunction, x, self.weight, bias, self)
@@ -162,7 +190,8 @@ class Linear(SplitModule):
         return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
 
     def extra_repr(self) -> str:
-        text = (
+        text = f"name={self.name!r}, " if self.name is not None else ""
+        text += (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
         if self.tp.splits:

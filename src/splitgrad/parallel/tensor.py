@@ -8,12 +8,16 @@ re-exported here.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
-from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
+from ..functional.tp_config import DEFAULT_TP_TIMEOUT_S, TensorParallelConfig, tensor_parallel_config
+from ..functional.tp_sequence import gather_sequence, split_sequence
 
 __all__ = [
     "PendingCollective",
@@ -21,7 +25,10 @@ __all__ = [
     "TensorParallelGroups",
     "all_gather_dim0",
     "all_reduce",
+    "allreduce_sequence_parallel_grads",
+    "gather_sequence",
     "reduce_scatter_dim0",
+    "split_sequence",
     "tensor_parallel_config",
     "tensor_parallel_groups",
 ]
@@ -69,3 +76,64 @@ def tensor_parallel_groups(tp_size: int, *, backend: str | None = None) -> Tenso
         outer_rank=outer_rank,
         outer_group=outer_groups[tp_rank] if n_outer > 1 else None,
     )
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(
+    module: nn.Module, tp_group: dist.ProcessGroup | None, *, timeout_s: float = DEFAULT_TP_TIMEOUT_S
+) -> int:
+    """Sum the gradients of ``module``'s ``param.sequence_parallel`` parameters over the TP group.
+
+    Under sequence parallelism a replicated parameter applied to this rank's sequence shard (the norms of
+    ``LayerNormLinear``/``LayerNormMLP``, a row-parallel bias) gets a partial gradient; Megatron all-reduces
+    them over the tensor-parallel group once per step (``_allreduce_layernorm_grads``). Call it once per
+    optimizer step, after the last ``backward_dw`` (a deferred row bias is written there) and, under a
+    data-parallel wrapper, after its gradient sync (``finish_grad_sync``: the gradients are then all in
+    ``main_grad``; both reductions are sums, so the order does not change the result). It reduces
+    ``param.main_grad`` where a parameter has one (as Megatron), else ``param.grad``; one flattened
+    all-reduce per dtype and device. A collective: every TP rank calls it with the same module structure.
+
+    Args:
+        module: the model (or a pipeline stage) whose parameters to reduce.
+        tp_group: the tensor-parallel group; None or one rank: nothing to do.
+        timeout_s: limit for the all-reduce's wait.
+
+    Returns:
+        How many gradients were reduced.
+
+    Raises:
+        RuntimeError: a flagged parameter has no gradient (it would leave the ranks out of step), or the
+            all-reduce failed or timed out.
+    """
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return 0
+    grads: list[torch.Tensor] = []
+    for name, param in module.named_parameters():
+        if not getattr(param, "sequence_parallel", False) or not param.requires_grad:
+            continue
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is None:
+            raise RuntimeError(
+                f"allreduce_sequence_parallel_grads: {name} (sequence_parallel) has no gradient; run backward "
+                "and backward_dw first (every TP rank must reduce the same parameters)"
+            )
+        grads.append(grad)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.dtype, grad.device), []).append(grad)
+    for (dtype, device), group in by_kind.items():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        work = dist.all_reduce(flat, group=tp_group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"allreduce_sequence_parallel_grads: all-reduce of {flat.numel()} {dtype} elements on {device} "
+                f"failed or did not finish within {timeout_s:g} s: {exc}"
+            ) from exc
+        offset = 0
+        for grad in group:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return len(grads)

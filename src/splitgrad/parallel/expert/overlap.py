@@ -37,7 +37,7 @@ def overlapped_forward_backward(
     dy: torch.Tensor | None = None,
     *,
     timeout: float | None = 600.0,
-    wgrad_in_dispatch: bool = True,
+    wgrad_in_dispatch: bool | None = True,
 ) -> Any:
     """Return ``module(x)`` while ``torch.autograd.backward(y, dy)`` runs concurrently.
 
@@ -47,10 +47,12 @@ def overlapped_forward_backward(
         y: the backward part's output (a loss or a stage output), from an earlier forward of ``module``.
         dy: its gradient, same shape as ``y`` (None for a scalar loss).
         timeout: seconds to wait for the backward after the forward finished (None: forever).
-        wgrad_in_dispatch: run each expert layer's deferred weight gradients (delayed wgrad only) while the
-            backward's dispatch all-to-all is in flight, instead of leaving them to ``backward_dw`` / the
-            bundle; skipped for a layer whose older deferred work is still owed elsewhere (it would change the
-            accumulation order).
+        wgrad_in_dispatch: for the call, set the ``wgrad_in_dispatch`` of ``module``'s expert layers: True runs
+            each layer's deferred expert weight gradients (delayed wgrad only) while its backward dispatch
+            all-to-all is in flight instead of leaving them to ``backward_dw`` / the bundle (skipped for a layer
+            whose older deferred work is still owed elsewhere: it would change the accumulation order); None
+            leaves the layers' own settings (:func:`set_wgrad_in_dispatch`; needed when ``y`` comes from
+            another module, e.g. another pipeline stage).
 
     Returns:
         ``module(x)``.
@@ -78,7 +80,7 @@ def overlapped_forward_backward(
 
     before = {name: m.wgrad_in_dispatch for name, m in layers.items()}
     for m in layers.values():
-        m.wgrad_in_dispatch = wgrad_in_dispatch
+        m.wgrad_in_dispatch = m.wgrad_in_dispatch if wgrad_in_dispatch is None else wgrad_in_dispatch
     thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
     thread.start()
     try:
@@ -105,7 +107,7 @@ class OverlappedMoEStage(nn.Module):
     overlapped ``F+B`` action, see ``docs/pipeline_runtime.md``). Shapes: as ``module``."""
 
     def __init__(
-        self, module: nn.Module, *, timeout: float | None = 600.0, wgrad_in_dispatch: bool = True
+        self, module: nn.Module, *, timeout: float | None = 600.0, wgrad_in_dispatch: bool | None = True
     ) -> None:
         super().__init__()
         self.module = module

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from .all_to_all import AllToAll, all_to_all, exchange_counts
-from .dispatch_wgrad import run_expert_wgrad, set_wgrad_in_dispatch
+from .dispatch_wgrad import run_expert_wgrad
 from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
 from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
 from .model import ExpertParallelMoEGPT
-from .overlap import OverlappedMoEStage, overlapped_forward_backward
+from .overlap import OverlappedMoEStage, overlapped_forward_backward, set_wgrad_in_dispatch
 from .state import load_full_state_dict
 
 __all__ = [

@@ -22,7 +22,7 @@ from torch import nn
 
 from ...core import active_bundle
 
-__all__ = ["run_expert_wgrad", "set_wgrad_in_dispatch"]
+__all__ = ["run_expert_wgrad"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,27 +64,3 @@ def run_expert_wgrad(experts: list[nn.Module], log: list | None = None) -> int:
     if ran and log is not None:
         log.append(("expert wgrad", start, time.perf_counter()))
     return ran
-
-
-def set_wgrad_in_dispatch(model: nn.Module, enabled: bool) -> int:
-    """Turn ``wgrad_in_dispatch`` on or off for every expert-parallel MoE layer of ``model``.
-
-    On, every backward of a layer (overlapped or not, plain ``loss.backward()`` or a pipeline ``B``/``BW``) runs
-    the experts' deferred weight gradients inside its dispatch all-to-all; in a pipeline that moves the expert
-    part of a ``W`` action into its ``B`` (the dense part stays in ``W``). Needed for pipeline pairs whose
-    backward part is another stage than the forward part (``dualpipev``), which
-    ``overlapped_forward_backward`` cannot see.
-
-    Args:
-        model: a model or stage holding :class:`~splitgrad.parallel.expert.ExpertParallelMoEMLP` layers.
-        enabled: the new setting.
-
-    Returns:
-        The number of layers set.
-    """
-    from .layer import ExpertParallelMoEMLP  # the layer imports this module
-
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
-    for layer in layers:
-        layer.wgrad_in_dispatch = bool(enabled)
-    return len(layers)

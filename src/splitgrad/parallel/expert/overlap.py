@@ -25,7 +25,7 @@ from torch import nn
 
 from .layer import ExpertParallelMoEMLP
 
-__all__ = ["OverlappedMoEStage", "overlapped_forward_backward"]
+__all__ = ["OverlappedMoEStage", "overlapped_forward_backward", "set_wgrad_in_dispatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +122,25 @@ class OverlappedMoEStage(nn.Module):
         return overlapped_forward_backward(
             self.module, x, y, dy, timeout=self.timeout, wgrad_in_dispatch=self.wgrad_in_dispatch
         )
+
+
+def set_wgrad_in_dispatch(model: nn.Module, enabled: bool) -> int:
+    """Turn ``wgrad_in_dispatch`` on or off for every expert-parallel MoE layer of ``model``.
+
+    On, every backward of a layer (overlapped or not, plain ``loss.backward()`` or a pipeline ``B``/``BW``) runs
+    the experts' deferred weight gradients inside its dispatch all-to-all; in a pipeline that moves the expert
+    part of a ``W`` action into its ``B`` (the dense part stays in ``W``). Needed for pipeline pairs whose
+    backward part is another stage than the forward part (``dualpipev``), which
+    ``overlapped_forward_backward`` cannot see.
+
+    Args:
+        model: a model or stage holding :class:`~splitgrad.parallel.expert.ExpertParallelMoEMLP` layers.
+        enabled: the new setting.
+
+    Returns:
+        The number of layers set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
+    for layer in layers:
+        layer.wgrad_in_dispatch = bool(enabled)
+    return len(layers)

@@ -3,16 +3,27 @@
 2 gloo ranks, EP = 2, a small MoE GPT; per sample, with microbatch 0's forward done, it times the pair
 "backward of microbatch 0 + forward of microbatch 1" run in order and run overlapped
 (:func:`splitgrad.parallel.expert.overlapped_forward_backward`), round-robin, and the all-to-alls of that pair
-alone (the same split sizes, no compute). Reported (rank 0, medians):
+alone (the same split sizes, no compute). Two wgrad modes, each a row:
+
+* ``immediate``: weight gradients inside the backward;
+* ``delayed``: deferred wgrad; the pair includes microbatch 0's *expert* weight gradients, run after its backward
+  in the sequential order and inside each layer's backward dispatch all-to-all in the overlapped order
+  (Megatron-Core's ``--delay-wgrad-compute``); the dense W runs after the pair in both, untimed.
+
+Reported (rank 0, medians):
 
 * ``comm alone``: the pair's dispatch/combine exchanges (forward of one microbatch + backward of the other);
-* ``sequential`` / ``overlapped``: the pair's wall time;
+* ``sequential`` / ``overlapped``: the pair's wall time, and its CPU time (both threads; load-independent);
 * ``hidden = (sequential - overlapped) / comm alone``, next to the most the compute could cover,
-  ``min(comm, sequential - comm) / comm``.
+  ``coverable = min(comm, sequential - comm) / comm``;
+* ``waits covered by order``: of the overlapped pair's exchange waits (both parts, the expert W inside the
+  dispatch counted as compute), the fraction during which the other part was not waiting as well, from the
+  process's own timestamps: an event-order figure that a loaded machine distorts much less than wall times.
 
 Communication must take wall time, not CPU, for overlap to be visible: run it inside a rate-limited namespace::
 
     python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py
+    python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py
 """
 
 from __future__ import annotations
@@ -26,7 +37,12 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import MoEConfig, MoEGPT, lm_loss
-from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, overlapped_forward_backward
+from splitgrad.parallel.expert import (
+    ExpertParallelMoEGPT,
+    ExpertParallelMoEMLP,
+    overlapped_forward_backward,
+    run_expert_wgrad,
+)
 from splitgrad.testing import spawn
 
 
@@ -50,37 +66,110 @@ def _comm_alone(exchanges, group) -> float:
     return time.perf_counter() - start
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _minus(intervals, holes) -> list[tuple[float, float]]:
+    """``intervals`` without the parts covered by ``holes`` (both lists of ``(start, end)``)."""
+    out = []
+    for start, end in _union(intervals):
+        cursor = start
+        for hs, he in _union(holes):
+            if he <= cursor or hs >= end:
+                continue
+            if hs > cursor:
+                out.append((cursor, hs))
+            cursor = max(cursor, he)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def _measure(intervals) -> float:
+    return sum(end - start for start, end in _union(intervals))
+
+
+def _covered_by_order(comm_log: list, wgrad_log: list) -> float:
+    """Of the overlapped pair's exchange waits, the fraction during which the other part was *not* waiting too.
+
+    From one process's own timestamps (load-independent in the sense that both threads are timed by the same
+    clock): the forward part's waits are its dispatch/combine intervals, the backward part's are its
+    "... backward" intervals minus the expert W run inside them (compute). Where both wait at once nothing
+    computes: that time is exposed whatever the machine's speed.
+    """
+    forward = [(s, e) for name, s, e in comm_log if not name.endswith("backward")]
+    backward = _minus(
+        [(s, e) for name, s, e in comm_log if name.endswith("backward")], [(s, e) for _, s, e in wgrad_log]
+    )
+    total = _measure(forward) + _measure(backward)
+    if total == 0:
+        return float("nan")
+    both = _measure(_minus(forward, _minus(forward, backward)))  # forward waits that are also backward waits
+    return 1.0 - 2 * both / total
+
+
+def _expert_wgrad(model: MoEGPT) -> None:
+    """Microbatch 0's deferred expert W, run right after its backward (the sequential order's placement)."""
+    for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
+        run_expert_wgrad([layer.fc1, layer.fc2])
+
+
+def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
     torch.manual_seed(0)
     fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
     config = MoEConfig(
         vocab_size=256, seq_len=args.seq, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
         ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
-        delay_wgrad_compute=args.delayed,
+        delay_wgrad_compute=delayed,
     )  # fmt: skip
     model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
     gen = torch.Generator().manual_seed(rank)
     ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
-    timings: dict[str, list[float]] = {"sequential": [], "overlapped": [], "comm alone": []}
+    timings: dict[str, list[float]] = {
+        "sequential": [], "overlapped": [], "comm alone": [], "sequential cpu": [], "overlapped cpu": [],
+        "covered by order": [],
+    }  # fmt: skip
+    comm_log: list = []
+    wgrad_log: list = []
+    for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
+        layer.comm_log, layer.wgrad_log = comm_log, wgrad_log
     for sample in range(args.warmup + args.samples):
         for variant in ("sequential", "overlapped"):
             loss0 = lm_loss(model(ids[0]), ids[0])
             dist.barrier(fwd)
-            start = time.perf_counter()
+            comm_log.clear()
+            wgrad_log.clear()
+            start, cpu = time.perf_counter(), time.process_time()
             if variant == "overlapped":
                 logits1 = overlapped_forward_backward(model, ids[1], loss0)
             else:
                 loss0.backward()
+                if delayed:
+                    _expert_wgrad(model)
                 logits1 = model(ids[1])
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if variant == "overlapped" and sample >= args.warmup:
+                timings["covered by order"].append(_covered_by_order(list(comm_log), list(wgrad_log)))
             lm_loss(logits1, ids[1]).backward()
             splitgrad.backward_dw(model)
             model.zero_grad(set_to_none=True)
             if sample >= args.warmup:
                 timings[variant].append(elapsed)
+                timings[f"{variant} cpu"].append(cpu)
         if sample >= args.warmup:
             timings["comm alone"].append(_comm_alone(_pair_exchanges(model, fwd), fwd))
     return {k: statistics.median(v) for k, v in timings.items()}
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    return {mode: _mode(rank, world, args, mode == "delayed") for mode in args.modes}
 
 
 def main() -> None:
@@ -91,23 +180,38 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--delayed", action="store_true", help="deferred wgrad (run after the pair)")
+    parser.add_argument(
+        "--modes",
+        type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
+        default=["immediate", "delayed"],
+        help="comma-separated wgrad modes, each a row: immediate, delayed (expert W inside the dispatch)",
+    )
+    parser.add_argument("--delayed", action="store_true", help="only the delayed mode (--modes delayed)")
     args = parser.parse_args()
+    if args.delayed:
+        args.modes = ["delayed"]
+    bad = [m for m in args.modes if m not in ("immediate", "delayed")]
+    if bad or not args.modes:
+        parser.error(f"--modes: choose from immediate, delayed; got {args.modes}")
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
-    r = results[0]
-    comm, seq, ovl = r["comm alone"], r["sequential"], r["overlapped"]
-    coverable = min(comm, max(seq - comm, 0.0)) / comm
     print(
-        f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers"
+        f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "
+        "rank 0 medians"
     )
     print(
-        "| comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | coverable |"
+        "| wgrad | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "
+        "coverable | pair CPU seq / ovl (ms) | waits covered by order |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
-        f"{(seq - ovl) / comm:.0%} | {coverable:.0%} |"
-    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode in args.modes:
+        r = results[0][mode]
+        comm, seq, ovl = r["comm alone"], r["sequential"], r["overlapped"]
+        coverable = min(comm, max(seq - comm, 0.0)) / comm
+        print(
+            f"| {mode} | {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
+            f"{(seq - ovl) / comm:.0%} | {coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
+            f"{r['overlapped cpu'] * 1e3:.1f} | {r['covered by order']:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -224,9 +224,11 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
                 experts=experts,
             )
             load_full_state_dict(model, ref.state_dict())
+            watch = _ExpertWatch(model)
             loss0 = lm_loss(model(local[0][0]), local[1][0])
             if overlapped:
                 logits1 = overlapped_forward_backward(model, local[0][1], loss0)
+                watch.after_pair(delayed=delay == "delayed")
             else:
                 loss0.backward()
                 logits1 = model(local[0][1])
@@ -234,11 +236,16 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             loss1.backward()
             if delay == "delayed":
                 splitgrad.backward_dw(model)
+            watch.after_step(delayed=delay == "delayed", overlapped=overlapped)
             runs.append((torch.stack([loss0.detach(), loss1.detach()]), grads(model)))
         (la, ga), (lb, gb) = runs
         torch.testing.assert_close(lb, la, rtol=0, atol=0)
         for name in ga:
             torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        if delay == "delayed":  # microbatch 1's expert W was added to what ran inside the dispatch: not lost
+            first = watch.snapshot
+            if torch.equal(first, gb["blocks.0.mlp.fc1.weight0"]):
+                raise AssertionError("the expert gradient after the step equals microbatch 0's alone")
         out.append(f"{delay}/{experts}")
     # A model whose forward and backward share one group is refused (its collectives could interleave).
     shared = ExpertParallelMoEGPT(config, ep_group=ep_group)
@@ -249,3 +256,57 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     else:
         raise AssertionError("overlap with a shared group was accepted")
     return out
+
+
+class _ExpertWatch:
+    """Counts wgrad-hook fires per expert module and checks where the deferred expert W ran.
+
+    With delayed wgrad, the overlapped pair must run microbatch 0's expert W inside each layer's backward
+    dispatch all-to-all (between starting and waiting for it, same thread: a strict order), leave the dense
+    layers' W deferred, and fire each expert module's hooks exactly once per microbatch.
+    """
+
+    def __init__(self, model) -> None:
+        self.model, self.fires, self.snapshot = model, {}, None
+        self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
+        self.comm: list = []
+        self.wlog: list = []
+        for i, layer in enumerate(self.layers):
+            layer.comm_log, layer.wgrad_log = self.comm, self.wlog
+            for fc in ("fc1", "fc2"):
+                key = f"{i}.{fc}"
+                self.fires[key] = 0
+                getattr(layer, fc).register_wgrad_accumulation_and_reduce_hooks(
+                    lambda key=key: self.fires.__setitem__(key, self.fires[key] + 1)
+                )
+
+    def after_pair(self, *, delayed: bool) -> None:
+        if not delayed:
+            return
+        for layer in self.layers:
+            for fc in (layer.fc1, layer.fc2):
+                if fc.wgrad_store.outstanding.total:
+                    raise AssertionError(f"expert W still owed after the pair: {fc.wgrad_store.outstanding}")
+            if layer.wgrad_in_dispatch:
+                raise AssertionError("wgrad_in_dispatch left on after overlapped_forward_backward")
+        dense = [m for _, m in splitgrad.split_modules(self.model) if m.wgrad_store.outstanding.total]
+        if not dense:
+            raise AssertionError("the dense layers' W ran early too")
+        if set(self.fires.values()) != {1}:
+            raise AssertionError(f"hooks after the pair: {self.fires}")
+        dispatches = [(s, e) for name, s, e in self.comm if name == "dispatch backward"]
+        if len(self.wlog) != len(self.layers):
+            raise AssertionError(f"{len(self.wlog)} expert W runs logged for {len(self.layers)} layers")
+        for _, ws, we in self.wlog:
+            if not any(ds <= ws and we <= de for ds, de in dispatches):
+                raise AssertionError(f"expert W [{ws}, {we}] not inside a dispatch backward {dispatches}")
+        self.snapshot = self.layers[0].fc1.weight0.grad.clone()
+
+    def after_step(self, *, delayed: bool, overlapped: bool) -> None:
+        if splitgrad.pending_wgrad(self.model):
+            raise AssertionError("wgrad work left after the step")
+        expected = 2 if delayed else 0  # hooks fire only for written (deferred) gradients
+        if set(self.fires.values()) != {expected}:
+            raise AssertionError(f"hook fires per expert module {self.fires}, expected {expected} each")
+        if delayed and not overlapped and self.wlog:
+            raise AssertionError("expert W ran inside the dispatch in the in-order run")

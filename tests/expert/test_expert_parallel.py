@@ -54,7 +54,12 @@ def test_hook_driven_reduction_ep2_x_expert_dp2():
 
 
 def test_overlapped_forward_backward_is_bitwise_sequential():
-    """Batch-level overlap (F of microbatch 1 while B of microbatch 0 runs) trains bit-for-bit like in order."""
+    """Batch-level overlap (F of microbatch 1 while B of microbatch 0 runs) trains bit-for-bit like in order.
+
+    With delayed wgrad the expert W of microbatch 0 runs inside each layer's backward dispatch all-to-all
+    (checked by the order of the logged events), the dense W stays deferred, nothing is left owed, and every
+    expert module's wgrad hooks fire exactly once per microbatch.
+    """
     modes = [("immediate", "module"), ("delayed", "module"), ("delayed", "ops")]
     reports = spawn(ep_checks.overlap_bitwise, 2, modes, timeout=240.0, pg_timeout=120.0)
     for report in reports:

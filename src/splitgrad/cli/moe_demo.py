@@ -34,6 +34,33 @@ __all__ = ["run_moe"]
 logger = logging.getLogger(__name__)
 
 
+def _pair(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    mb: int,
+    overlapped: bool,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, tuple[float, float, float, float]]:
+    """One step of two microbatches ``ids: (2 * mb, seq)``: ``F0``, then ``B0 ‖ F1`` or ``B0; F1``, ``B1``,
+    ``backward_dw``. Returns the summed loss (detached) and the times before ``F0``, after ``F0``, after the
+    pair and at the end (``time.perf_counter()``)."""
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    loss0 = lm_loss(model(ids[:mb]), targets[:mb]) / 2
+    t1 = time.perf_counter()
+    if overlapped:
+        logits1 = overlapped_forward_backward(model, ids[mb:], loss0)
+    else:
+        loss0.backward()
+        logits1 = model(ids[mb:])
+    t2 = time.perf_counter()
+    loss1 = lm_loss(logits1, targets[mb:]) / 2
+    loss1.backward()
+    splitgrad.backward_dw(model)
+    return (loss0 + loss1).detach(), (t0, t1, t2, time.perf_counter())
+
+
 def _rank(rank: int, world: int, opts: dict) -> dict:
     fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
     corpus = load_char_corpus(opts["seq_len"], max_chars=opts["max_chars"])
@@ -49,54 +76,56 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
         layer.fc1.reset_parameters()
         layer.fc2.reset_parameters()
     log: list = []
+    wlog: list = []
     for layer in moe_layers(model):
-        layer.comm_log = log
+        layer.comm_log, layer.wgrad_log = log, wlog
     opt = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
     gen = torch.Generator().manual_seed(opts["seed"] + 7 * rank)
     mb = opts["batch_size"] // 2
     times: dict[str, list[float]] = {"sequential": [], "overlapped": []}
     comm: list[float] = []
-    losses, events = [], []
+    losses, events, check = [], [], {}
     for step in range(opts["steps"]):
         ids, targets = corpus.train.get_batch(2 * mb, generator=gen)
         variant = "overlapped" if step % 2 else "sequential"
+        if step == 0:
+            # The two orders on the same weights and batch: losses and gradients must be bit-for-bit equal.
+            seq_loss, _ = _pair(model, ids, targets, mb, False, fwd)
+            seq_grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            check = {"sequential": seq_loss}
         log.clear()
-        dist.barrier(fwd)
-        t0 = time.perf_counter()
-        loss0 = lm_loss(model(ids[:mb]), targets[:mb]) / 2
-        t1 = time.perf_counter()
-        mark = len(log)
-        if variant == "overlapped":
-            logits1 = overlapped_forward_backward(model, ids[mb:], loss0)
-        else:
-            loss0.backward()
-            logits1 = model(ids[mb:])
-        t2 = time.perf_counter()
-        pair_comm = sum(end - start for _, start, end in log[mark:])
-        loss1 = lm_loss(logits1, targets[mb:]) / 2
-        loss1.backward()
-        splitgrad.backward_dw(model)
+        wlog.clear()
+        overlapped = variant == "overlapped" or step == 0
+        loss, (t0, t1, t2, t3) = _pair(model, ids, targets, mb, overlapped, fwd)
+        if step == 0:
+            check["overlapped"] = loss
+            check["grads_equal"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), seq_grads))
+        pair_comm = sum(end - start for name, start, end in log if start >= t1 and end <= t2)
         for p in model.parameters():
             if not getattr(p, "expert_parallel", False):
                 dist.all_reduce(p.grad, group=fwd)
                 p.grad /= world
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        loss = (loss0 + loss1).detach().reshape(1)
-        dist.all_reduce(loss, group=fwd)
-        losses.append(float(loss) / world)
+        total = loss.reshape(1).clone()
+        dist.all_reduce(total, group=fwd)
+        losses.append(float(total) / world)
         if step >= 2:  # the first steps set up connections
             times[variant].append(t2 - t1)
             if variant == "sequential":
                 comm.append(pair_comm)
-        if variant == "overlapped":
+        if variant == "overlapped" and step > 0:
             events = [
                 TimelineEvent(rank, "forward mb0", t0 - t0, t1 - t0, "F", 0, 0),
-                TimelineEvent(rank, "B mb0 || F mb1", t1 - t0, t2 - t0, "F", 0, 1),
-                TimelineEvent(rank, "forward+backward rest", t2 - t0, t3 - t0, "BW", 0, 1),
-            ] + [TimelineEvent(rank, name, s - t0, e - t0, "comm") for name, s, e in log]
-    return {"losses": losses, "times": times, "comm": comm, "events": events}
+                TimelineEvent(rank, "B mb0 || F mb1", t1 - t0, t2 - t0, "FB", 0, 1),
+                TimelineEvent(rank, "backward mb1 + backward_dw", t2 - t0, t3 - t0, "BW", 0, 1),
+            ]
+            events += [TimelineEvent(rank, name, s - t0, e - t0, "comm") for name, s, e in log]
+            events += [
+                TimelineEvent(rank, "expert W (in dispatch bwd)", s - t0, e - t0, "W") for _, s, e in wlog
+            ]
+    return {"losses": losses, "times": times, "comm": comm, "events": events, "check": check}
 
 
 def run_moe(args: argparse.Namespace) -> int:
@@ -115,6 +144,13 @@ def run_moe(args: argparse.Namespace) -> int:
         _rank, args.ep, opts, timeout=args.timeout * 10, pg_timeout=args.timeout, threads=args.threads
     )
     r0 = results[0]
+    same = all(r["check"]["sequential"].item() == r["check"]["overlapped"].item() for r in results)
+    grads = all(r["check"]["grads_equal"] for r in results)
+    print(
+        f"order check (step 0, same weights and batch, rank 0): loss sequential {r0['check']['sequential'].item()!r} "
+        f"overlapped {r0['check']['overlapped'].item()!r}; losses bitwise equal on every rank: "
+        f"{'yes' if same else 'NO'}; gradients bitwise equal on every rank: {'yes' if grads else 'NO'}"
+    )
     for step in range(0, len(r0["losses"]), max(1, len(r0["losses"]) // 5)):
         print(f"step {step:3d}  loss {r0['losses'][step]:.4f}")
     seq = statistics.median(r0["times"]["sequential"])
@@ -132,4 +168,7 @@ def run_moe(args: argparse.Namespace) -> int:
     path = out / f"timeline_moe_ep{args.ep}.json"
     path.write_text(json.dumps(to_chrome_trace(events, us_per_unit=1e6, process_name="splitgrad MoE EP")))
     print(f"wrote {path} (compute and communication lanes per rank; open in Perfetto / chrome://tracing)")
+    if not (same and grads):
+        print("error: the overlapped order did not reproduce the sequential order bit for bit")
+        return 1
     return 0

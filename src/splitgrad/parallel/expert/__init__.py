@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .all_to_all import AllToAll, all_to_all, exchange_counts
+from .dispatch_wgrad import run_expert_wgrad
 from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
 from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
 from .model import ExpertParallelMoEGPT
-from .overlap import OverlappedMoEStage, overlapped_forward_backward
+from .overlap import OverlappedMoEStage, overlapped_forward_backward, set_wgrad_in_dispatch
 from .state import load_full_state_dict
 
 __all__ = [
@@ -22,4 +23,6 @@ __all__ = [
     "is_expert_parameter",
     "load_full_state_dict",
     "overlapped_forward_backward",
+    "run_expert_wgrad",
+    "set_wgrad_in_dispatch",
 ]

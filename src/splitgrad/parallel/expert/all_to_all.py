@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -80,11 +81,19 @@ def _exchange(
     group: dist.ProcessGroup,
     what: str,
     log: list | None = None,
+    while_in_flight: Callable[[], object] | None = None,
 ) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    wait_work(work, what, group)
+    if while_in_flight is not None:
+        try:
+            while_in_flight()
+        finally:
+            # Waited even when the work in flight failed: a collective left unwaited would hang the group.
+            wait_work(work, what, group)
+    else:
+        wait_work(work, what, group)
     if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
         log.append((what, start, time.perf_counter()))
     return out
@@ -96,18 +105,22 @@ class AllToAll(torch.autograd.Function):
     Shapes: ``x: (sum(in_splits), *rest)`` -> ``(sum(out_splits), *rest)``; row block ``s`` of the output
     came from rank ``s`` of ``group``. The backward exchange runs on ``backward_group`` (same ranks; a separate
     group lets one microbatch's forward and another's backward exchange concurrently without mixing up).
+    ``in_backward_flight`` (optional) is called while the backward exchange is in flight, before its wait.
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, what: str, backward_group, log):  # type: ignore[override]
+    def forward(ctx, x, out_splits, in_splits, group, what, backward_group, log, in_backward_flight):  # type: ignore[override]
         ctx.splits, ctx.group, ctx.what, ctx.log = (out_splits, in_splits), backward_group, what, log
+        ctx.in_flight = in_backward_flight
         return _exchange(x, out_splits, in_splits, group, what, log)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
+        dx = _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward", ctx.log, ctx.in_flight)
         return (
-            _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward", ctx.log),
+            dx,
+            None,
             None,
             None,
             None,
@@ -126,6 +139,7 @@ def all_to_all(
     what: str = "all-to-all",
     backward_group: dist.ProcessGroup | None = None,
     log: list | None = None,
+    in_backward_flight: Callable[[], object] | None = None,
 ) -> torch.Tensor:
     """Differentiable variable-split all-to-all over ``group``.
 
@@ -138,6 +152,8 @@ def all_to_all(
         backward_group: the group of the backward exchange (same ranks); None: ``group``.
         log: when given, each exchange (forward and backward) appends ``(name, start, end)`` to it
             (``time.perf_counter()`` seconds, wait included).
+        in_backward_flight: called in the backward after the backward exchange started and before it is
+            waited for (work independent of it, e.g. the experts' deferred weight gradients); None: nothing.
 
     Returns:
         ``(sum(out_splits), *rest)``.
@@ -153,4 +169,4 @@ def all_to_all(
             f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
         )
     back = group if backward_group is None else backward_group
-    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back, log)
+    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back, log, in_backward_flight)

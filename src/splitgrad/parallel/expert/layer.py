@@ -33,6 +33,7 @@ from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
 from .all_to_all import all_to_all, exchange_counts, wait_work
+from .dispatch_wgrad import run_expert_wgrad
 
 __all__ = ["EXPERT_KINDS", "ExpertParallelMoEMLP"]
 
@@ -110,6 +111,11 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.last_dispatch_splits: tuple[list[int], list[int]] | None = None
         #: Set to a list to record every exchange as ``(name, start, end)`` (perf_counter seconds; timelines).
         self.comm_log: list | None = None
+        #: Run the experts' deferred weight gradients inside the backward's dispatch all-to-all (while it is in
+        #: flight) instead of at ``backward_dw``; read when the dispatch backward runs. See ``dispatch_wgrad.py``.
+        self.wgrad_in_dispatch = False
+        #: Set to a list to record each such run as ``("expert wgrad", start, end)`` (perf_counter seconds).
+        self.wgrad_log: list | None = None
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
@@ -166,6 +172,7 @@ class ExpertParallelMoEMLP(MoEMLP):
             what="dispatch",
             backward_group=self.backward_group,
             log=self.comm_log,
+            in_backward_flight=self._in_dispatch_backward,
         )
 
         # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
@@ -196,6 +203,12 @@ class ExpertParallelMoEMLP(MoEMLP):
         if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
             out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
         return out.view(shape)
+
+    def _in_dispatch_backward(self) -> None:
+        # Called by the dispatch backward while its exchange is in flight: fc1's and fc2's dgrad just parked
+        # this microbatch's expert W, which does not depend on the exchange.
+        if self.wgrad_in_dispatch:
+            run_expert_wgrad([self.fc1, self.fc2], self.wgrad_log)
 
     def _aux_share(
         self, probs: torch.Tensor, global_counts: torch.Tensor, global_tokens: int

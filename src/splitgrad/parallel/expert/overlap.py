@@ -8,6 +8,10 @@ sub-layer granularity, without splitting the autograd graph by hand. The two par
 process groups (the layers' ``ep_group`` forward, ``backward_group`` backward, same ranks), so every rank
 issues each group's collectives in the same order. Only the backward writes gradients, so they accumulate in
 the same order as running the parts one after the other: training is bit-for-bit the same.
+
+With deferred wgrad, each MoE layer's expert weight gradients of the backward part run while that layer's
+backward dispatch all-to-all is in flight (Megatron-Core's ``--delay-wgrad-compute`` placement), in the order
+``backward_dw`` would have run them (see ``dispatch_wgrad.py``); the dense layers' stay deferred.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch import nn
 
 from .layer import ExpertParallelMoEMLP
 
-__all__ = ["OverlappedMoEStage", "overlapped_forward_backward"]
+__all__ = ["OverlappedMoEStage", "overlapped_forward_backward", "set_wgrad_in_dispatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ def overlapped_forward_backward(
     dy: torch.Tensor | None = None,
     *,
     timeout: float | None = 600.0,
+    wgrad_in_dispatch: bool | None = True,
 ) -> Any:
     """Return ``module(x)`` while ``torch.autograd.backward(y, dy)`` runs concurrently.
 
@@ -42,6 +47,12 @@ def overlapped_forward_backward(
         y: the backward part's output (a loss or a stage output), from an earlier forward of ``module``.
         dy: its gradient, same shape as ``y`` (None for a scalar loss).
         timeout: seconds to wait for the backward after the forward finished (None: forever).
+        wgrad_in_dispatch: for the call, set the ``wgrad_in_dispatch`` of ``module``'s expert layers: True runs
+            each layer's deferred expert weight gradients (delayed wgrad only) while its backward dispatch
+            all-to-all is in flight instead of leaving them to ``backward_dw`` / the bundle (skipped for a layer
+            whose older deferred work is still owed elsewhere: it would change the accumulation order); None
+            leaves the layers' own settings (:func:`set_wgrad_in_dispatch`; needed when ``y`` comes from
+            another module, e.g. another pipeline stage).
 
     Returns:
         ``module(x)``.
@@ -50,11 +61,8 @@ def overlapped_forward_backward(
         ValueError: an expert-parallel layer exchanges forward and backward over the same group.
         RuntimeError: the backward raised (chained) or did not finish within ``timeout``.
     """
-    shared = [
-        name
-        for name, m in module.named_modules()
-        if isinstance(m, ExpertParallelMoEMLP) and m.backward_group is m.ep_group
-    ]
+    layers = {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallelMoEMLP)}
+    shared = [name for name, m in layers.items() if m.backward_group is m.ep_group]
     if shared:
         raise ValueError(
             f"overlapped_forward_backward: expert-parallel layers {shared} use one group for forward and backward "
@@ -70,6 +78,9 @@ def overlapped_forward_backward(
         except BaseException as exc:  # re-raised on the calling thread
             errors.append(exc)
 
+    before = {name: m.wgrad_in_dispatch for name, m in layers.items()}
+    for m in layers.values():
+        m.wgrad_in_dispatch = m.wgrad_in_dispatch if wgrad_in_dispatch is None else wgrad_in_dispatch
     thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
     thread.start()
     try:
@@ -77,6 +88,9 @@ def overlapped_forward_backward(
             out = module(x)
     finally:
         thread.join(timeout)
+        if not thread.is_alive():  # a backward still running keeps reading the flags
+            for name, m in layers.items():
+                m.wgrad_in_dispatch = before[name]
     if thread.is_alive():
         raise RuntimeError(
             f"overlapped_forward_backward: the backward part did not finish within {timeout} s"
@@ -92,14 +106,41 @@ class OverlappedMoEStage(nn.Module):
     """``module`` with an ``overlapped_forward_backward(x, y, dy)`` method (what the pipeline runtime calls for an
     overlapped ``F+B`` action, see ``docs/pipeline_runtime.md``). Shapes: as ``module``."""
 
-    def __init__(self, module: nn.Module, *, timeout: float | None = 600.0) -> None:
+    def __init__(
+        self, module: nn.Module, *, timeout: float | None = 600.0, wgrad_in_dispatch: bool | None = True
+    ) -> None:
         super().__init__()
         self.module = module
         self.timeout = timeout
+        self.wgrad_in_dispatch = wgrad_in_dispatch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def overlapped_forward_backward(self, x: Any, y: torch.Tensor, dy: torch.Tensor | None = None) -> Any:
         """``self(x)`` while ``torch.autograd.backward(y, dy)`` runs (see :func:`overlapped_forward_backward`)."""
-        return overlapped_forward_backward(self.module, x, y, dy, timeout=self.timeout)
+        return overlapped_forward_backward(
+            self.module, x, y, dy, timeout=self.timeout, wgrad_in_dispatch=self.wgrad_in_dispatch
+        )
+
+
+def set_wgrad_in_dispatch(model: nn.Module, enabled: bool) -> int:
+    """Turn ``wgrad_in_dispatch`` on or off for every expert-parallel MoE layer of ``model``.
+
+    On, every backward of a layer (overlapped or not, plain ``loss.backward()`` or a pipeline ``B``/``BW``) runs
+    the experts' deferred weight gradients inside its dispatch all-to-all; in a pipeline that moves the expert
+    part of a ``W`` action into its ``B`` (the dense part stays in ``W``). Needed for pipeline pairs whose
+    backward part is another stage than the forward part (``dualpipev``), which
+    ``overlapped_forward_backward`` cannot see.
+
+    Args:
+        model: a model or stage holding :class:`~splitgrad.parallel.expert.ExpertParallelMoEMLP` layers.
+        enabled: the new setting.
+
+    Returns:
+        The number of layers set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
+    for layer in layers:
+        layer.wgrad_in_dispatch = bool(enabled)
+    return len(layers)

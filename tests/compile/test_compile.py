@@ -9,6 +9,9 @@ Compiled gradients must equal eager ones and a float64 reference. Models are tin
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -114,3 +117,12 @@ def test_fullgraph_in_delayed_mode_names_the_way_out(x):
     model = build("immediate")
     torch.compile(model, fullgraph=True)(x).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_importing_splitgrad_does_not_import_dynamo() -> None:
+    # torch._dynamo costs ~1.7 s per process (every spawned rank): it is imported only when compiling.
+    code = "import sys, splitgrad; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -10,6 +10,8 @@ named with a reason that says what to do. Immediate-mode layers are traced norma
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["COMPILE_BREAK_REASON", "apply_outside_compile"]
@@ -22,7 +24,27 @@ COMPILE_BREAK_REASON = (
 )
 
 
-@torch.compiler.disable(reason=COMPILE_BREAK_REASON)
 def apply_outside_compile(function: type[torch.autograd.Function], *args: object) -> object:
     """``function.apply(*args)``, never traced by dynamo (a graph break with :data:`COMPILE_BREAK_REASON`)."""
-    return function.apply(*args)
+    if not torch.compiler.is_compiling():
+        return function.apply(*args)
+    return _disabled_apply()(function, *args)
+
+
+def _disabled_apply() -> Callable[..., object]:
+    # Built on first use (while dynamo traces), not at import: ``torch.compiler.disable`` imports all of
+    # torch._dynamo (~1.7 s), which every process importing splitgrad (each spawned rank) would otherwise pay.
+    # A dict, not functools.cache: dynamo refuses to trace into functools' cache wrapper, and the break it
+    # reports would then not be splitgrad's.
+    apply = _DISABLED.get("apply")
+    if apply is None:
+
+        def run(function: type[torch.autograd.Function], *args: object) -> object:
+            return function.apply(*args)
+
+        apply = _DISABLED["apply"] = torch.compiler.disable(run, reason=COMPILE_BREAK_REASON)
+    return apply
+
+
+#: The one lazily built disabled wrapper (a cache of an immutable function, filled once).
+_DISABLED: dict[str, Callable[..., object]] = {}

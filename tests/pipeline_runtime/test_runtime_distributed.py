@@ -112,10 +112,27 @@ def test_split_backward_moe_and_mlp_stack(two_rank_results):
         _assert_check(f"nn.Sequential MLP (zbv, 4 stages) rank {rank}", res["mlp"], split=True)
 
 
-def test_shapes_renegotiated_each_step(two_rank_results):
+def test_shapes_agreed_once_and_receives_posted_ahead(two_rank_results):
+    """Headers only on the first step and after reset_shapes(); then every receive is posted before its action
+    needs it, and sends the peer provably consumed are released before the step ends."""
     results, _ = two_rank_results
     for rank, res in enumerate(results):
-        _assert_check(f"second step with new shapes, rank {rank}", res["reshape"], split=True)
+        _assert_check(f"steps with new shapes after reset_shapes, rank {rank}", res["reshape"], split=True)
+        stats = res["reshape"]["stats"]
+        assert stats["headers"][0] > 0 and stats["headers"][1] > 0 and stats["headers"][2] == 0, stats
+        assert stats["receives"] == 2 and stats["posted_ahead"] == stats["receives"], stats
+        assert stats["lead_ok"] and stats["peak_recv_bytes"] > 0 and stats["peak_send_bytes"] > 0, stats
+    # Rank 0's activations are released when rank 1's gradient (sent after using them) arrives.
+    assert results[0]["reshape"]["stats"]["released_early"] == 2
+
+
+def test_shape_change_without_reset_is_refused(two_rank_results):
+    results, _ = two_rank_results
+    sender, peer = (res["shape change"] for res in results)
+    assert sender.startswith("ValueError") and "reset_shapes()" in sender and "1F0" not in sender, sender
+    assert "0F0" in sender and "shape (3, 5, " in sender, sender
+    # The peer times out, or sees the sender's process leave first: either way a RuntimeError naming both.
+    assert peer.startswith("RuntimeError") and "1F0" in peer and "from rank 0" in peer, peer
 
 
 def test_wrong_reference_is_rejected(two_rank_results):

@@ -58,13 +58,20 @@ def test_every_schedule_two_ranks(two_rank_results, name):
 def test_every_family_bitwise_equal_to_1f1b(two_rank_results):
     """Same blocks, same microbatches: every family, dualpipev's overlapped F+B pairs (through the stages'
     ``overlapped_forward_backward`` hook and run in order) gives 1f1b's gradients bit for bit, and both match
-    the float64 plain-autograd reference."""
+    the float64 plain-autograd reference. Each runs two steps: the shapes are agreed on the first, and the
+    second (no header, every receive posted ahead) gives the same gradients bit for bit."""
     results, _ = two_rank_results
     runs: dict[str, dict] = {}
     for res in results:
         for label, run in res["bitwise"].items():
             merged = runs.setdefault(label, {"grads": {}, "loss": run["loss"], "calls": 0, "fb": 0})
             merged["grads"].update(run["grads"])
+            if label != "reference":
+                # The second step (no headers, every receive posted ahead) repeats the first bit for bit.
+                assert run["headers"][0] > 0 and run["headers"][1] == 0, (label, run["headers"])
+                assert run["posted_ahead"][0] == run["posted_ahead"][1] > 0, (label, run["posted_ahead"])
+                for name, grad in run["grads"].items():
+                    assert torch.equal(grad, run["first_grads"][name]), f"{label}: step 2 differs at {name}"
             merged["calls"] += run.get("overlap_calls", 0)
             merged["fb"] += run.get("overlapped_actions", 0)
     reference = runs.pop("reference")

@@ -134,6 +134,10 @@ class PipelineComm:
         self._known_out.clear()
         self._known_in.clear()
 
+    def keep_shapes_of(self, other: PipelineComm) -> None:
+        """Start from the channel shapes ``other`` (the same ranks and stage layout) agreed in its steps."""
+        self._known_out, self._known_in = dict(other._known_out), dict(other._known_in)
+
     def finish_step(self) -> None:
         """Post queued sends, wait for every send of the step, and check every expected message arrived."""
         self.flush()

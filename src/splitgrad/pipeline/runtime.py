@@ -182,15 +182,21 @@ class PipelineRuntime:
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]
         if self._distributed:
-            self.comm = PipelineComm(
-                schedule,
-                self.rank,
-                group=self.pp_group,
-                device=self.device,
-                timeout=self.timeout,
-                prefetch=self._prefetch,
-                on_wait=self.recorder.comm,
+            previous, self.comm = (
+                self.comm,
+                PipelineComm(
+                    schedule,
+                    self.rank,
+                    group=self.pp_group,
+                    device=self.device,
+                    timeout=self.timeout,
+                    prefetch=self._prefetch,
+                    on_wait=self.recorder.comm,
+                ),
             )
+            # Same stage layout: both ends of every channel keep the shapes agreed so far.
+            if previous is not None and previous.schedule.stage_to_rank == schedule.stage_to_rank:
+                self.comm.keep_shapes_of(previous)
 
     # -- the step ----------------------------------------------------------------------------------------
 

@@ -33,7 +33,9 @@ from splitgrad.pipeline.measure import gather_events, idle_breakdown, measured_b
 from splitgrad.testing import spawn
 
 
-def run_rank(rank: int, world: int, cfg_fields: dict, schedule: str, steps: int, depth: int) -> dict:
+def run_rank(
+    rank: int, world: int, cfg_fields: dict, schedule: str, steps: int, depth: int, reset: bool
+) -> dict:
     cfg = BenchConfig(**cfg_fields)
     n_stages = 4 if schedule.startswith("zbv") else 2
     rt = build_runtime(
@@ -47,6 +49,8 @@ def run_rank(rank: int, world: int, cfg_fields: dict, schedule: str, steps: int,
     out: dict = {"steps": []}
     for _ in range(steps):
         rt.zero_grad()
+        if reset:  # the protocol before shapes were agreed once: headers on every step
+            rt.reset_shapes()
         cpu = time.process_time()
         result = rt.step(x, y)
         cpu = time.process_time() - cpu
@@ -75,16 +79,18 @@ def run_rank(rank: int, world: int, cfg_fields: dict, schedule: str, steps: int,
     return out
 
 
-def split_waits(mine: dict, peer: dict) -> list[tuple[str, float, float, float, float]]:
-    """Per receive of ``mine``: ``(label, lead, wait, late, moved)`` in ms (see the module docstring)."""
+def split_waits(mine: dict, peer: dict) -> list[tuple[str, float, float, float, float, bool]]:
+    """Per receive of ``mine``: ``(label, lead, wait, late, moved)`` in ms (see the module docstring) and
+    whether the receive was posted before the peer posted the send (so the data could move at once)."""
     sent = peer["send_posted"]
     rows = []
     for label, posted, needed, done, tag in mine["receives"]:
         send = sent.get(tag, needed)
         wait = done - needed
         late = max(min(send, done) - needed, 0.0)
+        moved = max(wait - late, 0.0)
         rows.append(
-            (label, 1e3 * max(needed - posted, 0.0), 1e3 * wait, 1e3 * late, 1e3 * max(wait - late, 0.0))
+            (label, 1e3 * max(needed - posted, 0.0), 1e3 * wait, 1e3 * late, 1e3 * moved, posted <= send)
         )
     return rows
 
@@ -96,12 +102,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps; the first is a warm-up (headers)")
     parser.add_argument("--prefetch-depth", type=int, default=2)
     parser.add_argument("--verbose", action="store_true", help="every receive of the last step")
+    parser.add_argument(
+        "--reset-shapes-each-step",
+        action="store_true",
+        help="exchange shape headers on every step (the protocol before shapes were agreed once), to compare",
+    )
     args = parser.parse_args()
     cfg = BenchConfig(**(dict(hidden=64, ffn=256, tokens=128, seq=32) if args.quick else {}))
     ranks = spawn(
-        run_rank, 2, asdict(cfg), args.schedule, args.steps, args.prefetch_depth, timeout=1800, pg_timeout=600
+        run_rank,
+        2,
+        asdict(cfg),
+        args.schedule,
+        args.steps,
+        args.prefetch_depth,
+        args.reset_shapes_each_step,
+        timeout=1800,
+        pg_timeout=600,
     )
-    print(f"{args.schedule} on 2 gloo ranks, prefetch_depth={args.prefetch_depth}: {asdict(cfg)}\n")
+    headers = "headers every step" if args.reset_shapes_each_step else "shapes agreed on step 0"
+    print(
+        f"{args.schedule} on 2 gloo ranks, prefetch_depth={args.prefetch_depth}, {headers}: {asdict(cfg)}\n"
+    )
     print("| step | measured bubble | simulated (measured costs) | rank: compute / recv wait / other (ms) |")
     print("|---:|---:|---:|---|")
     for i, step in enumerate(ranks[0]["steps"]):
@@ -123,10 +145,11 @@ def main() -> None:
                 f"step {i} rank {r}: CPU {1e3 * mine['cpu']:.0f} ms in a {span_ms:.0f} ms span; waits {total[0]:.1f} ms "
                 f"= producer late {total[1]:.1f} + moving {total[2]:.1f}; other {other:.1f} ms over "
                 f"{mine['actions']} actions ({1e3 * other / mine['actions']:.0f} us each); median lead "
-                f"{statistics.median(row[1] for row in rows) if rows else 0:.1f} ms; {mine['counts']}"
+                f"{statistics.median(row[1] for row in rows) if rows else 0:.1f} ms; posted before the peer's "
+                f"send {sum(row[5] for row in rows)}/{len(rows)}; {mine['counts']}"
             )
             if args.verbose and i == args.steps - 1:
-                for label, lead, wait, late, moved in rows:
+                for label, lead, wait, late, moved, _ in rows:
                     print(
                         f"    {label:16s} lead {lead:7.2f}  wait {wait:7.2f}  late {late:7.2f}  moved {moved:7.2f}"
                     )

@@ -28,11 +28,6 @@ class ReceiveRecord:
     tag: int
     """The message's tag (matches the sender's :attr:`CommStats.send_posted` key)."""
 
-    @property
-    def lead(self) -> float:
-        """Seconds the receive was posted ahead of its use (0 when posted at the need)."""
-        return max(self.needed - self.posted, 0.0)
-
 
 @dataclass(slots=True)
 class CommStats:

@@ -58,13 +58,20 @@ def test_every_schedule_two_ranks(two_rank_results, name):
 def test_every_family_bitwise_equal_to_1f1b(two_rank_results):
     """Same blocks, same microbatches: every family, dualpipev's overlapped F+B pairs (through the stages'
     ``overlapped_forward_backward`` hook and run in order) gives 1f1b's gradients bit for bit, and both match
-    the float64 plain-autograd reference."""
+    the float64 plain-autograd reference. Each runs two steps: the shapes are agreed on the first, and the
+    second (no header, every receive posted ahead) gives the same gradients bit for bit."""
     results, _ = two_rank_results
     runs: dict[str, dict] = {}
     for res in results:
         for label, run in res["bitwise"].items():
             merged = runs.setdefault(label, {"grads": {}, "loss": run["loss"], "calls": 0, "fb": 0})
             merged["grads"].update(run["grads"])
+            if label != "reference":
+                # The second step (no headers, every receive posted ahead) repeats the first bit for bit.
+                assert run["headers"][0] > 0 and run["headers"][1] == 0, (label, run["headers"])
+                assert run["posted_ahead"][0] == run["posted_ahead"][1] > 0, (label, run["posted_ahead"])
+                for name, grad in run["grads"].items():
+                    assert torch.equal(grad, run["first_grads"][name]), f"{label}: step 2 differs at {name}"
             merged["calls"] += run.get("overlap_calls", 0)
             merged["fb"] += run.get("overlapped_actions", 0)
     reference = runs.pop("reference")
@@ -112,10 +119,27 @@ def test_split_backward_moe_and_mlp_stack(two_rank_results):
         _assert_check(f"nn.Sequential MLP (zbv, 4 stages) rank {rank}", res["mlp"], split=True)
 
 
-def test_shapes_renegotiated_each_step(two_rank_results):
+def test_shapes_agreed_once_and_receives_posted_ahead(two_rank_results):
+    """Headers only on the first step and after reset_shapes(); then every receive is posted before its action
+    needs it, and sends the peer provably consumed are released before the step ends."""
     results, _ = two_rank_results
     for rank, res in enumerate(results):
-        _assert_check(f"second step with new shapes, rank {rank}", res["reshape"], split=True)
+        _assert_check(f"steps with new shapes after reset_shapes, rank {rank}", res["reshape"], split=True)
+        stats = res["reshape"]["stats"]
+        assert stats["headers"][0] > 0 and stats["headers"][1] > 0 and stats["headers"][2] == 0, stats
+        assert stats["receives"] == 2 and stats["posted_ahead"] == stats["receives"], stats
+        assert stats["lead_ok"] and stats["peak_recv_bytes"] > 0 and stats["peak_send_bytes"] > 0, stats
+    # Rank 0's activations are released when rank 1's gradient (sent after using them) arrives.
+    assert results[0]["reshape"]["stats"]["released_early"] == 2
+
+
+def test_shape_change_without_reset_is_refused(two_rank_results):
+    results, _ = two_rank_results
+    sender, peer = (res["shape change"] for res in results)
+    assert sender.startswith("ValueError") and "reset_shapes()" in sender and "1F0" not in sender, sender
+    assert "0F0" in sender and "shape (3, 5, " in sender, sender
+    # The peer times out, or sees the sender's process leave first: either way a RuntimeError naming both.
+    assert peer.startswith("RuntimeError") and "1F0" in peer and "from rank 0" in peer, peer
 
 
 def test_wrong_reference_is_rejected(two_rank_results):

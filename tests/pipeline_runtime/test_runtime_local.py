@@ -180,6 +180,9 @@ def test_bad_arguments_are_named():
         PipelineRuntime({0: stages[0], 5: stages[1]}, sched, loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="timeout must be positive"):
         PipelineRuntime(stages, sched, loss_fn=F.mse_loss, timeout=0)
+    for depth in (0, True, 1.5):
+        with pytest.raises(ValueError, match=r"prefetch_depth must be an int >= 1, got prefetch_depth="):
+            PipelineRuntime(stages, sched, loss_fn=F.mse_loss, prefetch_depth=depth)
     with pytest.raises(RuntimeError, match=r"spans 2 ranks but torch\.distributed is not initialised"):
         PipelineRuntime(stages, build_schedule("1f1b", 2, 2), loss_fn=F.mse_loss)
     rt = PipelineRuntime(stages, sched, loss_fn=F.mse_loss)

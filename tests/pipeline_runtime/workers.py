@@ -186,6 +186,7 @@ def two_rank_worker(rank: int, world: int, out_dir: str) -> dict:
     results["bitwise"] = bitwise_family_check(world)
     results["auto"] = auto_check(world)
     results["group size"] = group_size_check(rank, world)
+    results["shape change"] = shape_change_check(world)
     return results
 
 
@@ -318,13 +319,22 @@ def bitwise_family_check(world: int) -> dict:
         rt = build_runtime(
             stages, name, n_microbatches=4, loss_fn=F.mse_loss, timeout=60, schedule_options=options or None
         )
+        # Two steps: the first agrees the shapes (headers), the second posts every receive ahead; both must
+        # give the same gradients bit for bit.
+        first = rt.step(x, y)
+        first_grads = {names[id(p)]: p.grad.clone() for p in rt.parameters()}
+        first_calls = sum(getattr(m, "overlap_calls", 0) for m in rt.stages.values())
+        rt.zero_grad()
         result = rt.step(x, y)
         label = name + (" no-overlap" if "overlap" in options else "") + (" costed" if "f" in options else "")
         label += " hook" if hook else ""
         out[label] = {
             "grads": {names[id(p)]: p.grad.clone() for p in rt.parameters()},
+            "first_grads": first_grads,
+            "headers": (first.comm.headers, result.comm.headers),
+            "posted_ahead": (result.comm.posted_ahead, len(result.comm.receives)),
             "loss": result.loss.item(),
-            "overlap_calls": sum(getattr(m, "overlap_calls", 0) for m in rt.stages.values()),
+            "overlap_calls": sum(getattr(m, "overlap_calls", 0) for m in rt.stages.values()) - first_calls,
             "overlapped_actions": sum(a.kind.value == "FB" for a in rt.actions),
         }
     reference = nn.Sequential(*mlp_blocks(delay=False))
@@ -379,17 +389,47 @@ def simulate_plan_memory(plan) -> float:
 
 
 def reshape_check(world: int) -> dict:
-    """One runtime, two steps with different microbatch shapes: headers are renegotiated every step."""
+    """One runtime, three steps: shapes agreed by headers on the first, new shapes after ``reset_shapes()`` on
+    the second, and the third (same shapes) exchanges no header and posts every receive ahead of its use."""
     model, stages = gpt_model(world, seed=5)
     rt = build_runtime(stages, "zb-h1", n_microbatches=2, loss_fn=lm_loss, timeout=60)
-    rt.step(*token_batch(2, seed=9))
+    first = rt.step(*token_batch(2, seed=9)).comm
     rt.zero_grad()
+    rt.reset_shapes()
     ids, tgt = token_batch(2, seed=10, mb=3, seq=5)
+    second = rt.step(ids, tgt).comm
+    rt.zero_grad()
     result = rt.step(ids, tgt)
     ref_loss, ref = gpt_reference(model, ids.split(3), tgt.split(3))
     out = compare(model, rt, ref)
     out.update(loss=result.loss.item(), ref_loss=ref_loss, w_tasks=result.w_tasks)
+    third = result.comm
+    out["stats"] = {
+        "headers": [first.headers, second.headers, third.headers],
+        "receives": len(third.receives),
+        "posted_ahead": third.posted_ahead,
+        "released_early": third.released_early,
+        "peak_recv_bytes": third.peak_recv_bytes,
+        "peak_send_bytes": third.peak_send_bytes,
+        "lead_ok": all(r.posted <= r.needed <= r.done for r in third.receives),
+    }
     return out
+
+
+def shape_change_check(world: int) -> str:
+    """A step whose activations change shape without ``reset_shapes()``: the sender names the action and the
+    fix; its peer gives up after the (short) timeout. Runs last, on its own group: the peer's receives posted
+    ahead stay pending in that group."""
+    group = dist.new_group(list(range(world)))
+    _model, stages = gpt_model(world, seed=5)
+    rt = build_runtime(stages, "zb-h1", n_microbatches=2, loss_fn=lm_loss, timeout=3, pp_group=group)
+    rt.step(*token_batch(2, seed=9))
+    rt.zero_grad()
+    try:
+        rt.step(*token_batch(2, seed=10, mb=3, seq=5))
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
 
 
 def memory_check(world: int) -> dict:

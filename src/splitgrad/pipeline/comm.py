@@ -7,12 +7,18 @@ accelerators). Rules, all derived from the schedule so both ends agree without t
 * **Order.** A receiver posts its receives from a peer in the order that peer *sends* (its action order),
   buffering messages it does not need yet. Transports that pair messages by posting order (NCCL) therefore
   never match an activation with a same-shaped gradient, whatever order the receiver consumes them in.
-* **Shapes.** The first message of each channel ``(kind, src_stage)`` in a step is preceded by a small int64
-  header ``[ndim, dtype code, *shape]``; the receiver allocates from it. Later microbatches of the step must
-  have the same shape and dtype on that channel (checked on the sending side, naming the action).
+* **Shapes, once.** On the first step (and after :meth:`PipelineComm.reset_shapes`) the first message of each
+  channel ``(kind, src_stage)`` is preceded by a small int64 header ``[ndim, dtype code, *shape]``; the
+  receiver allocates from it. Both ends keep the shapes: later steps send no header, so every receive can be
+  posted ahead (a header's receive cannot be followed by its payload's before the header arrives, and gloo
+  only moves a payload once its receive is posted). A message whose shape or dtype differs from its
+  channel's is refused on the sending side, naming the action.
 * **Batching.** Sends are queued after an action and posted together with the next receive in one
   ``batch_isend_irecv`` call (one NCCL group: the "send forward, receive backward" pairing of 1F1B), or
-  flushed before the next compute when no receive comes first. Sends are waited at the end of the step.
+  flushed before the next compute when no receive comes first.
+* **Release.** gloo reports a send complete only once it is waited, so a sent tensor is waited (and freed)
+  as soon as the schedule proves its peer consumed it: a message the peer produced at or after the action
+  that used it has arrived. The rest are waited at the end of the step.
 * **Bounded waits.** Every wait uses ``work.wait(timeout)``; a timeout or a dead peer becomes a
   ``RuntimeError`` naming this rank, the peer, the message and the action it was for.
 """
@@ -23,93 +29,18 @@ import datetime
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ._comm_state import Channel, Incoming, MessageKey, Meta, Sent, StepState, describe, message_key
+from ._header import HEADER_LEN, decode_header, encode_header
 from .actions import Action, Schedule, Transfer
+from .comm_stats import CommStats, ReceiveRecord
 
 __all__ = ["PipelineComm"]
 
 logger = logging.getLogger(__name__)
-
-#: dtypes a header can name (its code is the index); append only, never reorder.
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-MAX_NDIM = 8
-HEADER_LEN = 2 + MAX_NDIM
-
-MessageKey = tuple[str, int, int]
-"""``(kind, src_stage, microbatch)`` identifies one message within a step."""
-
-
-def message_key(transfer: Transfer) -> MessageKey:
-    return (transfer.kind, transfer.src_stage, transfer.microbatch)
-
-
-def describe(transfer: Transfer) -> str:
-    """``"activation of stage 0 -> 1, microbatch 3"``."""
-    return f"{transfer.kind} of stage {transfer.src_stage} -> {transfer.dst_stage}, microbatch {transfer.microbatch}"
-
-
-def encode_header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.dim() > MAX_NDIM or tensor.dtype not in DTYPES:
-        raise ValueError(
-            f"pipeline messages support up to {MAX_NDIM} dims and dtypes {DTYPES}; got "
-            f"shape {tuple(tensor.shape)} dtype {tensor.dtype}"
-        )
-    values = [tensor.dim(), DTYPES.index(tensor.dtype), *tensor.shape]
-    values += [0] * (HEADER_LEN - len(values))
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    values = header.tolist()
-    ndim, code = int(values[0]), int(values[1])
-    if not (0 <= ndim <= MAX_NDIM and 0 <= code < len(DTYPES)):
-        raise RuntimeError(f"corrupt pipeline message header {values} (peers running different versions?)")
-    return tuple(int(v) for v in values[2 : 2 + ndim]), DTYPES[code]
-
-
-@dataclass(slots=True)
-class _Incoming:
-    """Receive state of one message: header (if it carries one), then payload."""
-
-    transfer: Transfer
-    carries_header: bool
-    header: torch.Tensor | None = None
-    header_work: dist.Work | None = None
-    payload: torch.Tensor | None = None
-    payload_work: dist.Work | None = None
-    consumed: bool = False
-
-
-@dataclass(slots=True)
-class _StepState:
-    """Per-step bookkeeping: negotiated shapes, messages being received, sends queued or in flight."""
-
-    meta_out: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    meta_in: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    incoming: dict[MessageKey, _Incoming] = field(default_factory=dict)
-    next_index: dict[int, int] = field(default_factory=dict)
-    queued: list[dist.P2POp] = field(default_factory=list)
-    queued_about: list[tuple[Transfer, Action]] = field(default_factory=list)
-    sent: list[tuple[list[dist.Work], list[torch.Tensor], list[tuple[Transfer, Action]]]] = field(
-        default_factory=list
-    )
 
 
 class PipelineComm:
@@ -121,9 +52,9 @@ class PipelineComm:
         group: the pipeline process group (None: the default group).
         device: where receive buffers and headers live (CPU for gloo, the accelerator for NCCL).
         timeout: seconds any single wait may take before raising.
-        prefetch: post the next action's receive before running the current one (overlaps transfer and
-            compute). Safe with gloo, whose receives never block sends; keep it off for NCCL, where a receive
-            posted ahead of a send on the same pair stream can deadlock.
+        prefetch: post receives before the actions that need them run (overlaps transfer and compute). Safe
+            with gloo, whose receives never block sends; keep it off for NCCL, where a receive posted ahead
+            of a send on the same pair stream can deadlock.
         on_wait: ``on_wait(label, start, end)`` called after each blocking receive (timeline recording).
     """
 
@@ -146,24 +77,39 @@ class PipelineComm:
         self.prefetch_enabled = prefetch
         self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
-        # Messages from each peer in that peer's send order, and which of them open a channel (carry a header).
+        # Messages from each peer in that peer's send order, and which of them open a channel (carry a header
+        # while the channel's shape is unknown).
         self._from_peer: dict[int, list[tuple[Transfer, bool]]] = {}
         self._first_out: set[MessageKey] = set()
         self._position: dict[MessageKey, tuple[int, int]] = {}
+        # Index, in its producer's / consumer's action list, of the action that sends / receives each message:
+        # what proves a send delivered (see _release_delivered).
+        self._produced_at: dict[MessageKey, int] = {}
+        self._consumed_at: dict[MessageKey, int] = {}
         for src, actions in enumerate(schedule.rank_actions):
             opened: set[tuple[int, str, int]] = set()
-            for out in (t for action in actions for t in schedule.sends(action)):
-                channel = (out.dst_rank, out.kind, out.src_stage)
-                first = channel not in opened
-                opened.add(channel)
-                if src == rank and first:
-                    self._first_out.add(message_key(out))
-                if out.dst_rank == rank:
-                    msgs = self._from_peer.setdefault(src, [])
-                    self._position[message_key(out)] = (src, len(msgs))
-                    msgs.append((out, first))
+            for index, action in enumerate(actions):
+                for t in schedule.receives(action):
+                    if t.src_rank == rank:
+                        self._consumed_at[message_key(t)] = index
+                for out in schedule.sends(action):
+                    channel = (out.dst_rank, out.kind, out.src_stage)
+                    first = channel not in opened
+                    opened.add(channel)
+                    if src == rank and first:
+                        self._first_out.add(message_key(out))
+                    if out.dst_rank == rank:
+                        msgs = self._from_peer.setdefault(src, [])
+                        self._position[message_key(out)] = (src, len(msgs))
+                        self._produced_at[message_key(out)] = index
+                        msgs.append((out, first))
         self._tag_base = 2 * schedule.n_stages
-        self._state = _StepState()
+        # Channel shapes both ends agreed on in a completed step (kept across steps; see reset_shapes).
+        self._known_out: dict[Channel, Meta] = {}
+        self._known_in: dict[Channel, Meta] = {}
+        self._state = StepState()
+        #: What the last completed step's messages did (:class:`~splitgrad.pipeline.comm_stats.CommStats`).
+        self.last_stats: CommStats | None = None
 
     def _rank_of(self, global_rank: int) -> int:
         return next((r for r, g in self._global.items() if g == global_rank), global_rank)
@@ -180,68 +126,94 @@ class PipelineComm:
     # -- step boundaries ---------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Forget the previous step's shapes and buffers."""
-        self._state = _StepState()
+        """Start a step: fresh buffers, the channel shapes agreed in earlier steps."""
+        self._state = StepState(meta_out=dict(self._known_out), meta_in=dict(self._known_in))
+
+    def reset_shapes(self) -> None:
+        """Forget the agreed channel shapes: the next step exchanges headers again (every rank must call it)."""
+        self._known_out.clear()
+        self._known_in.clear()
+
+    def keep_shapes_of(self, other: PipelineComm) -> None:
+        """Start from the channel shapes ``other`` (the same ranks and stage layout) agreed in its steps."""
+        self._known_out, self._known_in = dict(other._known_out), dict(other._known_in)
 
     def finish_step(self) -> None:
         """Post queued sends, wait for every send of the step, and check every expected message arrived."""
         self.flush()
         state = self._state
         deadline = time.monotonic() + self.timeout
-        for works, _tensors, about in state.sent:
-            self._wait_sent(works, about, deadline)
+        for sent in state.sent:
+            self._wait_sent(sent, deadline)
+        state.sent = []
         received = sum(state.next_index.values())
         expected = sum(len(msgs) for msgs in self._from_peer.values())
         unread = [describe(m.transfer) for m in state.incoming.values() if not m.consumed]
-        self._state = _StepState()
+        self._state = StepState()
         if unread or received != expected:
             raise RuntimeError(
                 f"pipeline rank {self.rank}: the step ended with {expected - received} of {expected} messages never "
                 f"received and these received but never used: {unread}; the schedule and the runtime disagree"
             )
+        self._known_out, self._known_in = state.meta_out, state.meta_in
+        state.stats.send_bytes = state.stats.recv_bytes = 0
+        self.last_stats = state.stats
 
     def abort(self) -> None:
         """Drop all per-step state after an error (outstanding works are abandoned, not waited)."""
-        self._state = _StepState()
+        self._state = StepState()
 
     # -- sending -----------------------------------------------------------------------------------------
 
     def queue_send(self, transfer: Transfer, tensor: torch.Tensor, action: Action) -> None:
-        """Queue ``tensor`` (any shape) as ``transfer``; it is posted at the next receive or :meth:`flush`."""
+        """Queue ``tensor`` (any shape) as ``transfer``; it is posted at the next receive or :meth:`flush`.
+
+        Raises:
+            ValueError: the tensor's shape or dtype differs from what its channel carries.
+        """
         state = self._state
         payload = tensor.detach().contiguous()
         channel = (transfer.kind, transfer.src_stage)
         meta = (tuple(payload.shape), payload.dtype)
         peer = self._global[transfer.dst_rank]
-        if message_key(transfer) in self._first_out:
+        if message_key(transfer) in self._first_out and channel not in self._known_out:
             state.meta_out[channel] = meta
             header = encode_header(payload, self.device)
             state.queued.append(dist.P2POp(dist.isend, header, peer, self.group, self._tag(transfer, True)))
             state.queued_about.append((transfer, action))
         elif state.meta_out.get(channel) != meta:
+            fixed = channel in self._known_out
             raise ValueError(
                 f"pipeline rank {self.rank}: action {action} sends the {describe(transfer)} with shape {meta[0]} "
-                f"dtype {meta[1]}, but this step already announced {state.meta_out.get(channel)} on that channel; "
-                "every microbatch of a step must have the same shapes"
+                f"dtype {meta[1]}, but {'an earlier' if fixed else 'this'} step announced "
+                f"{state.meta_out.get(channel)} on that channel; "
+                + (
+                    "shapes are agreed on the first step and receives are posted ahead with them: call "
+                    "PipelineRuntime.reset_shapes() on every rank before a step whose shapes change"
+                    if fixed
+                    else "every microbatch of a step must have the same shapes"
+                )
             )
         state.queued.append(dist.P2POp(dist.isend, payload, peer, self.group, self._tag(transfer, False)))
         state.queued_about.append((transfer, action))
 
-    def _wait_sent(
-        self, works: list[dist.Work], about: list[tuple[Transfer, Action]], deadline: float
-    ) -> None:
-        for work, (transfer, action) in zip(works, about):
-            what = f"rank {transfer.dst_rank} to receive the {describe(transfer)} sent by action {action}"
-            self.wait(work, what, deadline=deadline)
+    def _wait_sent(self, sent: Sent, deadline: float) -> None:
+        what = f"rank {sent.transfer.dst_rank} to receive the {describe(sent.transfer)} sent by action {sent.action}"
+        self.wait(sent.work, what, deadline=deadline)
+        self._state.stats.send_bytes -= sent.tensor.nbytes
 
-    def _release_delivered(self) -> None:
-        """Drop finished sends (their tensors would otherwise live until the end of the step)."""
+    def _release_delivered(self, peer: int, peer_index: int) -> None:
+        """Wait (at once: they are done) and drop the sends ``peer`` consumed at or before its action
+        ``peer_index``: it has sent us a message from that action on, so it had received them."""
         state, pending = self._state, []
-        for entry in state.sent:
-            if all(_completed(work) for work in entry[0]):
-                self._wait_sent(entry[0], entry[2], time.monotonic() + self.timeout)  # raises a stored error
+        deadline = time.monotonic() + self.timeout
+        for sent in state.sent:
+            t = sent.transfer
+            if t.dst_rank == peer and self._consumed_at.get(message_key(t), peer_index + 1) <= peer_index:
+                self._wait_sent(sent, deadline)
+                state.stats.released_early += 1
             else:
-                pending.append(entry)
+                pending.append(sent)
         state.sent = pending
 
     def flush(self, action: Action | None = None) -> None:
@@ -254,8 +226,6 @@ class PipelineComm:
         ops = state.queued + recv_ops
         if not ops:
             return []
-        if state.sent:
-            self._release_delivered()
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:
@@ -271,7 +241,11 @@ class PipelineComm:
             ) from exc
         n_send = len(state.queued)
         if n_send:
-            state.sent.append((works[:n_send], [op.tensor for op in state.queued], list(state.queued_about)))
+            now = time.perf_counter()
+            for work, op, (transfer, about) in zip(works, state.queued, state.queued_about):
+                state.sent.append(Sent(work, op.tensor, transfer, about))
+                state.stats.add_send(op.tensor.nbytes)
+                state.stats.send_posted.setdefault(op.tag, now)
         state.queued, state.queued_about = [], []
         return works[n_send:]
 
@@ -288,6 +262,10 @@ class PipelineComm:
         Returns:
             A fresh tensor with the sender's shape and dtype, on :attr:`device`.
         """
+        needed = time.perf_counter()
+        key = message_key(transfer)
+        before = self._state.incoming.get(key)
+        ahead = before is not None and before.payload_work is not None
         msg = self._advance(transfer, action, block=True)
         if msg is None or msg.consumed:
             raise RuntimeError(
@@ -296,15 +274,30 @@ class PipelineComm:
         label = f"recv {'act' if transfer.kind == 'activation' else 'grad'} {action}"
         what = f"the {describe(transfer)} of action {action} from rank {transfer.src_rank}"
         self.wait(msg.payload_work, what, label=label)
+        stats = self._state.stats
+        stats.posted_ahead += ahead
+        stats.receives.append(
+            ReceiveRecord(
+                f"{transfer.kind} {action}",
+                msg.posted_at,
+                needed,
+                time.perf_counter(),
+                self._tag(transfer, False),
+            )
+        )
         msg.consumed = True
         payload, msg.payload, msg.payload_work = msg.payload, None, None
+        stats.recv_bytes -= payload.nbytes
+        if self._state.sent:
+            self._release_delivered(transfer.src_rank, self._produced_at[key])
         return payload
 
-    def _advance(self, transfer: Transfer, action: Action | None, *, block: bool) -> _Incoming | None:
+    def _advance(self, transfer: Transfer, action: Action | None, *, block: bool) -> Incoming | None:
         """Post (in the sender's order) every receive from ``transfer``'s sender up to and including it.
 
-        A message that opens a channel needs its header before its payload buffer can be allocated: with
-        ``block`` the header is waited for; without, posting stops there unless it has already arrived.
+        A message that opens a channel of unknown shape needs its header before its payload buffer can be
+        allocated: with ``block`` the header is waited for; without, posting stops there unless it has
+        already arrived.
         """
         state = self._state
         key = message_key(transfer)
@@ -316,14 +309,16 @@ class PipelineComm:
         peer, target = self._position[key]
         msgs = self._from_peer[peer]
         ops: list[dist.P2POp] = []
-        posted: list[tuple[_Incoming, bool]] = []
+        posted: list[tuple[Incoming, bool]] = []
 
         def post() -> None:
-            for (m, is_header), work in zip(posted, self._launch(ops, action)):
+            works = self._launch(ops, action)
+            now = time.perf_counter()
+            for (m, is_header), work in zip(posted, works):
                 if is_header:
                     m.header_work = work
                 else:
-                    m.payload_work = work
+                    m.payload_work, m.posted_at = work, now
             ops.clear()
             posted.clear()
 
@@ -332,7 +327,7 @@ class PipelineComm:
             spec, carries_header = msgs[index]
             msg = state.incoming.get(message_key(spec))
             if msg is None:
-                msg = state.incoming[message_key(spec)] = _Incoming(spec, carries_header)
+                msg = state.incoming[message_key(spec)] = Incoming(spec, carries_header)
             channel = (spec.kind, spec.src_stage)
             if msg.carries_header and channel not in state.meta_in:
                 if msg.header is None:
@@ -348,8 +343,10 @@ class PipelineComm:
                 )
                 self.wait(msg.header_work, what, label=f"recv header {action}" if block else None)
                 state.meta_in[channel] = decode_header(msg.header)
+                state.stats.headers += 1
             shape, dtype = state.meta_in[channel]
             msg.payload = torch.empty(shape, dtype=dtype, device=self.device)
+            state.stats.add_recv(msg.payload.nbytes)
             ops.append(self._recv_op(msg.payload, spec, header=False))
             posted.append((msg, False))
             index += 1

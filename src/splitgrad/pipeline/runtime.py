@@ -6,8 +6,10 @@ what the action needs (:class:`~splitgrad.pipeline.comm.PipelineComm`), computes
 capture bundle, ``W`` running exactly that bundle, ``BW``), times it
 (:class:`~splitgrad.pipeline.measure.TimelineRecorder`) and queues what it produces for the next rank.
 
-Every action reaches its handler through one table (kind -> method), so a new kind touches the IR, the
-simulator and one handler. Data parallelism composes per stage, driven by the schedule's gradient-sync points
+Every action reaches its handler through one table (kind -> handler, :mod:`~splitgrad.pipeline.handlers`), so a
+new kind touches the IR, the simulator and one handler. Receives are posted ahead: the receives of the next
+``prefetch_depth`` actions are posted before the current one computes (their buffers allocated from the
+channel shapes agreed on the first step), so a peer's send moves while this rank computes. Data parallelism composes per stage, driven by the schedule's gradient-sync points
 (:func:`splitgrad.pipeline.passes.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
 stage module with ``no_sync()`` and ``finish_grad_sync()`` (a :class:`splitgrad.parallel.DistributedDataParallel`)
 runs its actions inside ``no_sync()`` until its ``R`` point, so each bucket starts reducing as soon as its last
@@ -16,11 +18,9 @@ contribution (often a ``W``) has run, and ``finish_grad_sync()`` runs at its ``R
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,35 +32,16 @@ from ..core import ensure_no_pending_wgrad
 from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
+from .handlers import Handler, default_handlers
 from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
 from .passes import add_grad_sync, has_grad_sync
+from .runtime_setup import StepResult, own_stages, resolve_pipeline_rank
 from .timeline import TimelineEvent
 from .validate import validate
 
 __all__ = ["PipelineRuntime", "StepResult", "resolve_pipeline_rank"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class StepResult:
-    """What one :meth:`PipelineRuntime.step` returns on one rank."""
-
-    loss: torch.Tensor | None
-    """Mean of the microbatch losses, a float64 0-dim tensor on the runtime's device; on every pipeline rank
-    with ``broadcast_loss`` (the default), else only on the last stage's rank (None elsewhere)."""
-    microbatch_losses: list[torch.Tensor] = field(default_factory=list)
-    """Per-microbatch losses (detached) on the last stage's rank; empty elsewhere."""
-    events: list[TimelineEvent] = field(default_factory=list)
-    """This rank's measured events (seconds since the step's common origin); empty when not recording."""
-    peak_activation_bytes: int | None = None
-    """With ``track_memory``: peak activation bytes this rank held: what autograd saved in each forward until
-    its ``B``, then exactly the wgrad operands parked for its ``W`` (see :class:`~.measure.ActivationMeter`)."""
-    duration: float = 0.0
-    """Seconds from the step origin until this rank's sends were delivered and its data-parallel reductions
-    finished (the loss broadcast not included)."""
-    w_tasks: int = 0
-    """Deferred weight-gradient tasks this rank's ``W`` actions ran (0 when nothing was split)."""
 
 
 class PipelineRuntime:
@@ -93,7 +74,10 @@ class PipelineRuntime:
         track_memory: measure activation bytes (see :attr:`StepResult.peak_activation_bytes`).
         broadcast_loss: broadcast the step's loss from the last stage's rank to every pipeline rank.
         device: where received tensors are allocated; default: the device of the local stages' parameters.
-        prefetch: post the next action's receive before computing the current one; default: on for gloo.
+        prefetch: post receives before the actions that need them run; default: on for gloo (NCCL pairs a
+            receive posted ahead with the wrong send on a shared stream).
+        prefetch_depth: with ``prefetch``, how many actions ahead receives are posted (each holds its
+            receive buffer from then on: the memory cost, see :attr:`StepResult.comm`).
         check_schedule: run :func:`splitgrad.pipeline.validate` on ``schedule`` first.
     """
 
@@ -111,10 +95,13 @@ class PipelineRuntime:
         broadcast_loss: bool = True,
         device: torch.device | str | None = None,
         prefetch: bool | None = None,
+        prefetch_depth: int = 2,
         check_schedule: bool = True,
     ) -> None:
         if not timeout > 0:
             raise ValueError(f"PipelineRuntime: timeout must be positive seconds, got {timeout=}")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"PipelineRuntime: prefetch_depth must be an int >= 1, got {prefetch_depth=}")
         if check_schedule:
             validate(schedule)
         distributed = dist.is_available() and dist.is_initialized()
@@ -125,7 +112,7 @@ class PipelineRuntime:
         self.timeout = float(timeout)
         self.broadcast_loss = broadcast_loss
         self.schedule = schedule
-        self.stages = self._own_stages(stages)
+        self.stages = own_stages(schedule, rank, stages)
         # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
         self.grad_sync = {
             s: m
@@ -153,23 +140,14 @@ class PipelineRuntime:
             meter=ActivationMeter() if track_memory else None,
         )
         self._prefetch = bool(prefetch)
+        self.prefetch_depth = prefetch_depth
         self.comm: PipelineComm | None = None
         #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
         #: first steps, then installs a plan (:class:`~splitgrad.pipeline.autoplan.ProfileGuidedPlanner`).
         self.planner: Any = None
         self.install_schedule(schedule, check=False)
-        # One handler per action kind: the runtime interprets the schedule and decides nothing itself. Plain
-        # functions, not bound methods: a dict of bound methods on self is a reference cycle that would keep a
-        # dropped runtime (and its process groups) alive until the garbage collector runs.
-        self._handlers: dict[ActionKind, Callable[..., None]] = {
-            ActionKind.F: PipelineRuntime._forward,
-            ActionKind.B: PipelineRuntime._backward,
-            ActionKind.BW: PipelineRuntime._backward,
-            ActionKind.W: PipelineRuntime._weight,
-            ActionKind.FB: PipelineRuntime._overlapped,
-            ActionKind.R: PipelineRuntime._open_grad_sync,
-            ActionKind.RF: PipelineRuntime._finish_grad_sync,
-        }
+        # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
+        self._handlers: dict[ActionKind, Handler] = default_handlers()
         self._sync_open: set[int] = set()
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
@@ -204,39 +182,21 @@ class PipelineRuntime:
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]
         if self._distributed:
-            self.comm = PipelineComm(
-                schedule,
-                self.rank,
-                group=self.pp_group,
-                device=self.device,
-                timeout=self.timeout,
-                prefetch=self._prefetch,
-                on_wait=self.recorder.comm,
+            previous, self.comm = (
+                self.comm,
+                PipelineComm(
+                    schedule,
+                    self.rank,
+                    group=self.pp_group,
+                    device=self.device,
+                    timeout=self.timeout,
+                    prefetch=self._prefetch,
+                    on_wait=self.recorder.comm,
+                ),
             )
-
-    def _own_stages(self, stages: Mapping[int, nn.Module] | Sequence[nn.Module]) -> dict[int, nn.Module]:
-        mine = self.schedule.stages_of(self.rank)
-        if isinstance(stages, Mapping):
-            owned = {int(k): v for k, v in stages.items()}
-        elif len(stages) == self.schedule.n_stages:
-            owned = {s: stages[s] for s in mine}
-        elif len(stages) == len(mine):
-            owned = dict(zip(mine, stages))
-        else:
-            raise ValueError(
-                f"PipelineRuntime: got {len(stages)} stage modules; pass all {self.schedule.n_stages} stages of "
-                f"the model or the {len(mine)} this rank holds (stages {list(mine)} of schedule "
-                f"{self.schedule.name!r})"
-            )
-        if sorted(owned) != list(mine):
-            raise ValueError(
-                f"PipelineRuntime: pipeline rank {self.rank} runs stages {list(mine)} of schedule "
-                f"{self.schedule.name!r}, got modules for stages {sorted(owned)}"
-            )
-        bad = [s for s, m in owned.items() if not isinstance(m, nn.Module)]
-        if bad:
-            raise TypeError(f"PipelineRuntime: stages {bad} are not nn.Modules")
-        return owned
+            # Same stage layout: both ends of every channel keep the shapes agreed so far.
+            if previous is not None and previous.schedule.stage_to_rank == schedule.stage_to_rank:
+                self.comm.keep_shapes_of(previous)
 
     # -- the step ----------------------------------------------------------------------------------------
 
@@ -282,6 +242,9 @@ class PipelineRuntime:
         self.recorder.start()
         current: Action | None = None
         try:
+            if self.comm is not None:
+                for ahead in self.actions[: self.prefetch_depth]:
+                    self._prefetch_for(ahead)
             for j, action in enumerate(self.actions):
                 current = action
                 self._run(j, action)
@@ -312,6 +275,7 @@ class PipelineRuntime:
             peak_activation_bytes=None if executor.meter is None else executor.meter.peak,
             duration=duration,
             w_tasks=executor.w_tasks,
+            comm=None if self.comm is None else self.comm.last_stats,
         )
         executor.begin(None, None)
         if self.planner is not None:
@@ -326,77 +290,25 @@ class PipelineRuntime:
                 received[transfer] = self.comm.receive(transfer, action)
             if not incoming:
                 self.comm.flush(action)
-            if j + 1 < len(self.actions):
-                ahead = self.actions[j + 1]
-                for transfer in self.schedule.receives(ahead):
-                    self.comm.prefetch(transfer, ahead)
+            # Post the receive that now enters the window (the ones before it were posted earlier).
+            if j + self.prefetch_depth < len(self.actions):
+                self._prefetch_for(self.actions[j + self.prefetch_depth])
         with self.recorder.action(action):
             self._handlers[action.kind](self, action, received)
 
-    def _syncing(self, *stages: int) -> contextlib.AbstractContextManager[None]:
-        """``no_sync()`` of every given data-parallel stage whose ``R`` point has not run yet."""
-        held = [self.grad_sync[s] for s in stages if s in self.grad_sync and s not in self._sync_open]
-        if not held:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for module in held:
-            stack.enter_context(module.no_sync())
-        return stack
+    def _prefetch_for(self, action: AnyAction) -> None:
+        for transfer in self.schedule.receives(action):
+            self.comm.prefetch(transfer, action)
 
-    def _deliver(self, part: Action, out: torch.Tensor | None) -> None:
-        """Queue ``part``'s output for its consumer: a send to another rank or a local hand-off."""
-        if out is None:
-            return
-        outgoing = self.schedule.send_after(part)
-        if outgoing is not None:
-            self.comm.queue_send(outgoing, out, part)
-        else:
-            self.executor.hand_over(
-                "activation" if part.kind is ActionKind.F else "gradient", part.stage, part.microbatch, out
-            )
+    def reset_shapes(self) -> None:
+        """Let the next step's boundary tensors have new shapes (every pipeline rank must call it).
 
-    def _input(self, part: Action, received: dict[Transfer, torch.Tensor]) -> torch.Tensor | None:
-        transfer = self.schedule.recv_before(part)
-        return None if transfer is None else received[transfer]
-
-    # -- handlers, one per action kind -------------------------------------------------------------------
-
-    def _forward(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
-        with self._syncing(action.stage):
-            out = self.executor.forward(action.stage, action.microbatch, self._input(action, received))
-        self._deliver(action, out)
-
-    def _backward(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
-        stage, kind, mb = action
-        with self._syncing(stage):
-            out = self.executor.backward(
-                stage, mb, self._input(action, received), run_weight=kind is ActionKind.BW
-            )
-        self._deliver(action, out)
-
-    def _weight(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
-        with self._syncing(action.stage):
-            self.executor.weight(action.stage, action.microbatch)
-
-    def _overlapped(self, action: AnyAction, received: dict[Transfer, torch.Tensor]) -> None:
-        f, b = action.parts
-        with self._syncing(f.stage, b.stage):
-            f_out, b_out = self.executor.overlapped(
-                (f.stage, f.microbatch, self._input(f, received)),
-                (b.stage, b.microbatch, self._input(b, received)),
-                run_weight=b.kind is ActionKind.BW,
-            )
-        self._deliver(f, f_out)
-        self._deliver(b, b_out)
-
-    def _open_grad_sync(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
-        self._sync_open.add(action.stage)
-
-    def _finish_grad_sync(self, action: Action, received: dict[Transfer, torch.Tensor]) -> None:
-        module = self.grad_sync.get(action.stage)
-        if module is not None:
-            self._sync_open.add(action.stage)
-            module.finish_grad_sync()
+        The first step agrees each channel's shape and dtype through a small header; later steps reuse it, so
+        that every receive is posted ahead of its use. A step whose stage output differs from it raises a
+        ``ValueError`` naming the action unless this was called first.
+        """
+        if self.comm is not None:
+            self.comm.reset_shapes()
 
     # -- collectives around the step ---------------------------------------------------------------------
 
@@ -498,64 +410,3 @@ class PipelineRuntime:
         if plan is not None and plan.schedule is self.schedule:
             report += f"; planned {100 * plan.predicted_bubble:.1f}% from the profiled costs"
         return report
-
-
-def resolve_pipeline_rank(
-    schedule: Schedule, *, rank: int | None = None, pp_group: dist.ProcessGroup | None = None, who: str
-) -> int:
-    """This process's rank in ``schedule``, after checking that the pipeline group fits the schedule.
-
-    The group must have exactly ``schedule.n_ranks`` ranks, in every case: a one-rank schedule under a larger
-    group would silently run the whole model on every rank, and a multi-rank schedule without
-    ``torch.distributed`` could only fail later, mid-step.
-
-    Args:
-        schedule: the schedule to run.
-        rank: the rank asked for (None: this process's rank in ``pp_group``, or 0 without a process group).
-        pp_group: the pipeline group (None: the default group, when torch.distributed is initialised).
-        who: the caller, named in error messages.
-
-    Raises:
-        RuntimeError: a multi-rank schedule while torch.distributed is not initialised.
-        ValueError: the group's size differs from ``schedule.n_ranks``, this process is not in the group,
-            or ``rank`` is not this process's rank in it (or outside the schedule).
-    """
-    n_ranks = schedule.n_ranks
-    if not (dist.is_available() and dist.is_initialized()):
-        if pp_group is not None or n_ranks > 1:
-            raise RuntimeError(
-                f"{who}: schedule {schedule.name!r} spans {n_ranks} ranks but torch.distributed is not "
-                f"initialised (no process group for n_ranks={n_ranks}); call torch.distributed.init_process_group() on every rank first (and pass the "
-                "pipeline's pp_group), or build a one-rank schedule"
-            )
-        rank = 0 if rank is None else rank
-    else:
-        group_size = dist.get_world_size(pp_group)
-        group_rank = dist.get_rank(pp_group)
-        group = "the default process group" if pp_group is None else "pp_group"
-        if group_rank < 0:
-            raise ValueError(
-                f"{who}: this process (global rank {dist.get_rank()}) is not a member of pp_group; pass the "
-                "pipeline group this process belongs to"
-            )
-        if group_size != n_ranks:
-            hint = (
-                " (each of its ranks would run the whole model); pass a one-rank pp_group, e.g. from "
-                "pipeline_groups(1, dp_size)"
-                if n_ranks == 1
-                else ""
-            )
-            raise ValueError(
-                f"{who}: schedule {schedule.name!r} has n_ranks={n_ranks} but {group} has {group_size} "
-                f"ranks{hint}; build the schedule for {group_size} ranks or pass a pp_group of {n_ranks}"
-            )
-        if rank is None:
-            rank = group_rank
-        elif rank != group_rank:
-            raise ValueError(
-                f"{who}: rank={rank} but this process is rank {group_rank} of {group} "
-                f"({group_size} ranks) running schedule {schedule.name!r}"
-            )
-    if not 0 <= rank < n_ranks:
-        raise ValueError(f"{who}: {rank=} outside the schedule's ranks 0..{n_ranks - 1}")
-    return rank

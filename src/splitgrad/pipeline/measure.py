@@ -74,10 +74,11 @@ class TimelineRecorder:
         if self.enabled:
             self.events.append(TimelineEvent.from_action(self.rank, action, start - self.t0, end - self.t0))
 
-    def comm(self, label: str, start: float, end: float) -> None:
-        """Record a communication wait ``[start, end)`` (``perf_counter`` values) on the side track."""
+    def comm(self, label: str, start: float, end: float, *, stage: int | None = None) -> None:
+        """Record a communication ``[start, end)`` (``perf_counter`` values) on the side track, of ``stage``
+        when it belongs to one (a data-parallel reduction)."""
         if self.enabled:
-            self.events.append(TimelineEvent(self.rank, label, start - self.t0, end - self.t0, "comm"))
+            self.events.append(TimelineEvent(self.rank, label, start - self.t0, end - self.t0, "comm", stage))
 
 
 def gather_events(

@@ -397,6 +397,9 @@ class PipelineRuntime:
         if module is not None:
             self._sync_open.add(action.stage)
             module.finish_grad_sync()
+            # A wrapper that times its reductions (FSDPStage) puts them on the stage's comm lane.
+            for label, start, end in getattr(module, "pop_comm_events", list)():
+                self.recorder.comm(label, start, end, stage=action.stage)
 
     # -- collectives around the step ---------------------------------------------------------------------
 

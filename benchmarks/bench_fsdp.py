@@ -13,8 +13,8 @@ only the reduce-scatter; exposed = step - compute; hidden = 1 - exposed / comm a
 
 Load-independent evidence for the background mode (``mode="async"``), from rank 0's own clock in one process:
 ``RS under W`` is the share of the background reduce-scatters' time that ran while ``backward_dw`` was still
-computing (before the first blocking wait, ``finish()``), and ``joined at finish`` how many were still in flight
-then; CPU is the rank's process CPU time per step (``time.process_time``).
+computing (before the first blocking wait, ``finish()``), and how many were still running when ``backward_dw``
+returned; CPU is the rank's process CPU time per step (``time.process_time``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict | None:
     handle = defer_fsdp_reduction(background, mode="async")
     flat = torch.zeros(layers * width * width)
     shard_out = torch.empty(flat.numel() // world)
-    order: dict[str, float] = {"under_w": 0.0, "total": 0.0, "joined": 0, "steps": 0}
+    order: dict[str, float] = {"under_w": 0.0, "total": 0.0, "after_w": 0, "steps": 0}
 
     def step(model: nn.Module, split: bool) -> Callable[[], None]:
         def run() -> None:
@@ -85,12 +85,12 @@ def _rank(rank: int, world: int, cfg: dict) -> dict | None:
         background.zero_grad()
         background(x).square().mean().backward()
         splitgrad.backward_dw(background)
-        w_end, in_flight = time.perf_counter(), handle.in_flight
+        w_end = time.perf_counter()
         handle.finish()
         for _, start, end in handle.pop_comm_events():
             order["under_w"] += max(0.0, min(end, w_end) - start)
             order["total"] += end - start
-        order["joined"] += in_flight
+            order["after_w"] += end > w_end
         order["steps"] += 1
 
     def comm_alone() -> None:
@@ -114,7 +114,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict | None:
     names = list(variants)
     for i in range(cfg["warmup"] + cfg["samples"]):
         if i == cfg["warmup"]:
-            order.update(under_w=0.0, total=0.0, joined=0, steps=0)
+            order.update(under_w=0.0, total=0.0, after_w=0, steps=0)
         for name in names[i % len(names) :] + names[: i % len(names)]:
             t, c = _timed(variants[name])
             if i >= cfg["warmup"]:
@@ -161,7 +161,7 @@ def main() -> None:
     share = order["under_w"] / order["total"] if order["total"] else 0.0
     print(
         f"\n{ASYNC}, rank 0, own clock: RS under W = {100 * share:.0f} % of the background reduce-scatter time; "
-        f"{order['joined'] / steps:.1f} of {args.layers} reduce-scatters still in flight at finish() per step"
+        f"{order['after_w'] / steps:.1f} of {args.layers} reduce-scatters per step still running when backward_dw returned"
     )
 
 

@@ -11,6 +11,7 @@ order), and the groups' reduce-scatter runs on a process group of its own
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import time
@@ -27,9 +28,10 @@ class BackgroundReducer:
     Args:
         name: for messages and the thread name.
         timeout: seconds :meth:`wait` allows each pending reduction before raising.
+        max_events: how many of the latest ``(label, start, end)`` records :attr:`events` keeps.
     """
 
-    def __init__(self, name: str, *, timeout: float) -> None:
+    def __init__(self, name: str, *, timeout: float, max_events: int = 1024) -> None:
         if not timeout > 0:
             raise ValueError(f"{name}: timeout must be positive seconds, got {timeout=}")
         self.name = name
@@ -38,7 +40,7 @@ class BackgroundReducer:
             max_workers=1, thread_name_prefix="splitgrad-fsdp-rs"
         )
         self._pending: list[tuple[str, concurrent.futures.Future]] = []
-        self.events: list[tuple[str, float, float]] = []
+        self.events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=max_events)
 
     @property
     def pending(self) -> int:
@@ -72,6 +74,7 @@ class BackgroundReducer:
                     "(did another data-parallel rank stop submitting, or crash?)"
                 ) from exc
             except Exception as exc:
+                self._pending = pending[i + 1 :]  # the later ones still run: the next wait() joins them
                 raise RuntimeError(f"{self.name}: background {label} failed: {exc}") from exc
             self.events.append((label, start, end))
 

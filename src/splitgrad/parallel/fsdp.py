@@ -20,6 +20,7 @@ Parameters not written by deferred tasks (immediate-mode layers, plain torch mod
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Literal
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 ReductionMode = Literal["last_w", "finish", "async"]
 _MODES = ("last_w", "finish", "async")
+_MAX_EVENTS = 1024
 
 
 class _DeferredGroup:
@@ -92,9 +94,12 @@ class FSDPReductionHandle:
         self._groups: list[_DeferredGroup] = []
         self._handles: list = []
         self._ready: list[tuple[_DeferredGroup, dict]] = []
-        self._events: list[tuple[str, float, float]] = []
+        # Bounded: nobody pops them outside the pipeline runtime; keep the latest few steps' worth.
+        self._events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_MAX_EVENTS)
         self._reducer = (
-            BackgroundReducer(f"defer_fsdp_reduction({name})", timeout=timeout) if mode == "async" else None
+            BackgroundReducer(f"defer_fsdp_reduction({name})", timeout=timeout, max_events=_MAX_EVENTS)
+            if mode == "async"
+            else None
         )
 
     def _on_ready(self, group: _DeferredGroup, held: dict) -> None:
@@ -143,10 +148,11 @@ class FSDPReductionHandle:
     def pop_comm_events(self) -> list[tuple[str, float, float]]:
         """The reduce-scatters run since the last call, as ``(label, start, end)`` in ``time.perf_counter()``
         seconds (``"async"``: those joined by ``finish()``); the pipeline runtime puts them on its timeline."""
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()
         if self._reducer is not None:
             events += self._reducer.events
-            self._reducer.events = []
+            self._reducer.events.clear()
         return sorted(events, key=lambda e: e[1])
 
     def release_to_fsdp(self) -> int:

@@ -2,8 +2,10 @@
 
 Each pipeline rank's stage is ``fully_shard``-ed over its data-parallel group and wrapped in
 :class:`splitgrad.parallel.FSDPStage`; gradients (sharded DTensors, ``full_tensor()``) must equal a float64
-single-process reference of the whole batch, for 1f1b (W inside B) and zb-h1 (deferred W, reduce-scatter at
-each stage's last W).
+single-process reference of the whole batch, for 1f1b (W inside B) and zb-h1 (deferred W; the reduce-scatter
+run by the stage's RF action or started in the background at its last W, and seen as its own comm events in
+the measured timeline). PyTorch's ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble run the same model
+through the splitgrad adapter.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict | None:
             steps.append(wall.item())
             compute = [(e.start, e.end) for e in result.events if e.kind in ("F", "B", "W", "BW")]
             for e in result.events:
-                if e.kind == "comm" and e.name.startswith("reduce-scatter"):
+                if e.kind == "grad-sync":
                     rs_total += e.end - e.start
                     rs_under += _overlap((e.start, e.end), compute)
                 if e.name.endswith("RF"):

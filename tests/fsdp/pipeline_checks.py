@@ -19,6 +19,8 @@ import splitgrad
 from splitgrad.parallel import FSDPStage
 from splitgrad.pipeline import build_runtime, pipeline_groups
 from splitgrad.pipeline.build import sequential_stages
+from splitgrad.pipeline.measure import idle_breakdown
+from splitgrad.pipeline.timeline import to_chrome_trace
 
 F64 = torch.float64
 D, N_MB, MB, PP, DP = 8, 4, 3, 2, 2
@@ -54,13 +56,13 @@ def reference() -> list[torch.Tensor]:
 
 
 def _check_reduce_scatter_events(events: list, stage: int, reduction: str, n_groups: int, what: str) -> None:
-    """The timeline holds one ``comm`` reduce-scatter event per FSDP group of ``stage``, after its last W began
+    """The timeline holds one ``grad-sync`` reduce-scatter event per FSDP group of ``stage``, after its last W began
     (``"async"``: started by the hooks inside it) or after it ended (``"finish"``: run by the ``RF`` action),
     and ended by the end of ``RF``."""
     mine = [e for e in events if e.stage == stage]
     last_w = max((e for e in mine if e.kind == "W"), key=lambda e: e.end)
     rf = next(e for e in mine if e.name == f"{stage}RF")
-    rs = [e for e in mine if e.kind == "comm" and e.name.startswith("reduce-scatter")]
+    rs = [e for e in mine if e.kind == "grad-sync" and e.name.startswith("reduce-scatter")]
     if len(rs) != n_groups:
         raise AssertionError(
             f"{what}: {len(rs)} reduce-scatter events for stage {stage}, want {n_groups}: {rs}"
@@ -71,6 +73,18 @@ def _check_reduce_scatter_events(events: list, stage: int, reduction: str, n_gro
             raise AssertionError(f"{what}: {e} not within [{earliest}, {rf.end}] (last W {last_w}, RF {rf})")
     if reduction == "finish" and min(e.start for e in rs) < last_w.end:
         raise AssertionError(f"{what}: a reduce-scatter began before the stage's last W ended")
+    # On the trace's comm thread of the rank; not mistaken for receive waits by the idle breakdown.
+    trace = to_chrome_trace(events, us_per_unit=1e6)["traceEvents"]
+    on_comm_thread = [
+        t
+        for t in trace
+        if t.get("name", "").startswith("reduce-scatter") and t.get("tid") == 2 * rs[0].rank + 1
+    ]
+    if len(on_comm_thread) != n_groups:
+        raise AssertionError(f"{what}: reduce-scatters on the trace's comm thread: {on_comm_thread}")
+    without = [e for e in events if e.kind != "grad-sync"]
+    if idle_breakdown(events) != idle_breakdown(without):
+        raise AssertionError(f"{what}: reduce-scatter events changed the idle breakdown")
 
 
 def check_pipeline_fsdp(rank: int, world: int) -> None:

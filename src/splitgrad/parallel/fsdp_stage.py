@@ -7,7 +7,7 @@ schedule's ``R`` point (just before the stage's last B), and calls ``finish_grad
 gradients at its last B. The deferred ones (:func:`~splitgrad.parallel.defer_fsdp_reduction`) are marked ready
 by the wgrad hooks at each group's last W and reduce-scattered by the ``RF`` action (``reduction="finish"``), or
 started in the background at that last W and joined by ``RF`` (``reduction="async"``); either way the
-runtime's measured timeline shows each reduce-scatter as a ``comm`` event of the stage
+runtime's measured timeline shows each reduce-scatter as a ``grad-sync`` event of the stage
 (:meth:`FSDPStage.pop_comm_events`).
 """
 

@@ -399,7 +399,7 @@ class PipelineRuntime:
             module.finish_grad_sync()
             # A wrapper that times its reductions (FSDPStage) puts them on the stage's comm lane.
             for label, start, end in getattr(module, "pop_comm_events", list)():
-                self.recorder.comm(label, start, end, stage=action.stage)
+                self.recorder.comm(label, start, end, stage=action.stage, kind="grad-sync")
 
     # -- collectives around the step ---------------------------------------------------------------------
 

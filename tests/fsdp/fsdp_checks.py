@@ -8,16 +8,14 @@ losses, which is what FSDP2's reduce-scatter divides to).
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import splitgrad
-from splitgrad.parallel import defer_fsdp_reduction
+from splitgrad.parallel import FSDPStage, defer_fsdp_reduction
 
 F64 = torch.float64
 D = 8
@@ -201,6 +199,48 @@ def check_errors(rank: int, world: int) -> None:
     twice = shard_model(build(True))
     defer_fsdp_reduction(twice)
     _expect(ValueError, "already set up", lambda: defer_fsdp_reduction(twice))
+    _expect(ValueError, "mode=", lambda: defer_fsdp_reduction(shard_model(build(True)), mode="later"))
+    _expect(ValueError, "reduction=", lambda: FSDPStage(shard_model(build(True)), reduction="later"))
+
+
+def check_finish_and_async_modes(rank: int, world: int) -> None:
+    """mode="finish": held after the last W until finish(); "async": started at the last W, in flight until
+    finish() or the next forward; sharded grads bitwise equal to immediate mode, one timed event per group."""
+    imm = sharded_grads(run_steps(rank, False, n_mb=2, order="BW", shard_kw={}))
+    ref = reference(world, 2)
+    for mode in ("finish", "async"):
+        for order in ("BW", "BBW"):
+            what = f"{mode=} {order=}"
+            model = shard_model(build(True))
+            handle = defer_fsdp_reduction(model, mode=mode, timeout=120)
+            for mb in range(2):
+                model.set_requires_gradient_sync(mb == 1)
+                loss_of(model(data(rank, mb))).backward()
+                if order == "BW":
+                    splitgrad.backward_dw(model)
+            splitgrad.backward_dw(model)
+            deferred = [model[1].weight, model[3].weight, model[4].weight]
+            if mode == "finish" and (handle.held_gradients != 6 or any(p.grad is not None for p in deferred)):
+                raise AssertionError(f"{what}: reduced before finish(): {handle.held_gradients=}")
+            if mode == "async" and (handle.in_flight != 3 or handle.held_gradients):
+                raise AssertionError(
+                    f"{what}: {handle.in_flight=} (want one per group) {handle.held_gradients=}"
+                )
+            if mode == "async" and order == "BBW":
+                model(data(rank, 0))  # the next forward joins the background reductions first
+                model.reshard()  # FSDP2 leaves the root unsharded after forward; read the sharded .grad
+            else:
+                handle.finish()
+            if handle.held_gradients or handle.in_flight:
+                raise AssertionError(f"{what}: left {handle.held_gradients=} {handle.in_flight=}")
+            assert_grads(sharded_grads(model), imm, f"{what}: vs immediate", bitwise=True)
+            assert_grads(full(sharded_grads(model)), ref, f"{what}: vs reference", bitwise=False)
+            events = handle.pop_comm_events()
+            if len(events) != 3 or any(
+                not (label.startswith("reduce-scatter") and s <= e) for label, s, e in events
+            ):
+                raise AssertionError(f"{what}: reduce-scatter events {events}")
+            handle.remove()
 
 
 def _expect(exc_type: type, text: str, fn: Callable[[], object]) -> None:
@@ -241,26 +281,13 @@ def check_meta_device_init(rank: int, world: int) -> None:
     assert_grads(sharded_grads(models[True]), sharded_grads(models[False]), "meta init", bitwise=True)
 
 
-WORLD2 = [
+CHECKS = [
     check_meta_device_init,
     check_exact_one_microbatch,
     check_wrong_answer_rejected,
     check_accumulation_and_reshard,
     check_no_reduce_until_last,
     check_mixed_precision,
+    check_finish_and_async_modes,
     check_errors,
 ]
-
-
-def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    """Run the named checks in order; each reports None or its traceback (one spawn for all)."""
-    table = {f.__name__: f for f in WORLD2}
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            table[name](rank, world)
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results

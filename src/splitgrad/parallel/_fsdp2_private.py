@@ -130,7 +130,9 @@ def reduce_group_now(group: object, grads: dict[FSDPParamLike, torch.Tensor]) ->
     n_states = len(rs_states)
     group.reshard_after_backward = False
     try:
-        group.post_backward()
+        # The class's method, not the attribute: defer_fsdp_reduction(mode="async") wraps the attribute with a
+        # wait for this very reduction.
+        type(group).post_backward(group)
         group._wait_for_post_backward()
     finally:
         group._training_state, group.reshard_after_backward = state, reshard

@@ -11,14 +11,19 @@ the way Megatron's DDP uses TE's hooks:
   accumulates across backwards, so FSDP2's own post-backward never sees them half done;
 * when the group owes no more wgrad work and gradient sync is on (``set_requires_gradient_sync``), the
   gradients go through FSDP2's own reduce-scatter (same buckets, divide factor, reduce dtype, accumulation into
-  the sharded ``.grad``) exactly once.
+  the sharded ``.grad``) exactly once. ``mode`` says when: inside that last task (``"last_w"``), at
+  :meth:`FSDPReductionHandle.finish` (``"finish"``: the pipeline's ``RF`` action, its own timeline event), or
+  on a background thread started there and joined at ``finish()`` (``"async"``: overlaps the remaining work).
 
 Parameters not written by deferred tasks (immediate-mode layers, plain torch modules) keep FSDP2's own path.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
+from typing import Literal
 
 import torch
 from torch import nn
@@ -33,20 +38,26 @@ from ._fsdp2_private import (
     unsharded_on_module,
     unsharded_param,
 )
+from ._fsdp_async import BackgroundReducer
 
-__all__ = ["FSDPReductionHandle", "defer_fsdp_reduction"]
+__all__ = ["FSDPReductionHandle", "ReductionMode", "defer_fsdp_reduction"]
 
 logger = logging.getLogger(__name__)
+
+ReductionMode = Literal["last_w", "finish", "async"]
+_MODES = ("last_w", "finish", "async")
+_MAX_EVENTS = 1024
 
 
 class _DeferredGroup:
     """One FSDP2 parameter group with split layers in it, and the deferred gradients held for its reduction."""
 
-    def __init__(self, group: object, name: str) -> None:
+    def __init__(self, group: object, name: str, on_ready) -> None:
         self.group = group
         self.name = name
         self.layers: list[nn.Module] = []
         self.held: dict[object, torch.Tensor] = {}
+        self.on_ready = on_ready
 
     def owed(self) -> int:
         return sum(layer.wgrad_store.outstanding.total for layer in self.layers)
@@ -70,24 +81,79 @@ class _DeferredGroup:
             else:
                 self.held[fsdp_param] = grad
         if self.held and self.group.reduce_grads and self.owed() == 0:
-            logger.debug(
-                "%s: last deferred wgrad task ran; reduce-scattering %d gradients", self.name, len(self.held)
-            )
+            logger.debug("%s: last deferred wgrad task ran; %d gradients ready", self.name, len(self.held))
             held, self.held = self.held, {}
-            reduce_group_now(self.group, held)
+            self.on_ready(self, held)
 
 
 class FSDPReductionHandle:
-    """Returned by :func:`defer_fsdp_reduction`; ``remove()`` uninstalls the hooks."""
+    """Returned by :func:`defer_fsdp_reduction`; ``finish()`` completes the reductions, ``remove()`` uninstalls."""
 
-    def __init__(self, groups: list[_DeferredGroup], handles: list) -> None:
-        self._groups = groups
-        self._handles = handles
+    def __init__(self, mode: ReductionMode, name: str, *, timeout: float) -> None:
+        self.mode = mode
+        self._groups: list[_DeferredGroup] = []
+        self._handles: list = []
+        self._ready: list[tuple[_DeferredGroup, dict]] = []
+        # Bounded: nobody pops them outside the pipeline runtime; keep the latest few steps' worth.
+        self._events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_MAX_EVENTS)
+        self._reducer = (
+            BackgroundReducer(f"defer_fsdp_reduction({name})", timeout=timeout, max_events=_MAX_EVENTS)
+            if mode == "async"
+            else None
+        )
+
+    def _on_ready(self, group: _DeferredGroup, held: dict) -> None:
+        """A group's last W ran with sync on: reduce now, hold for ``finish()``, or start in the background."""
+        label = f"reduce-scatter {group.name}"
+        if self.mode == "last_w":
+            self._timed(label, lambda: reduce_group_now(group.group, held))
+        elif self.mode == "finish":
+            self._ready.append((group, held))
+        else:
+            self._reducer.submit(label, lambda: reduce_group_now(group.group, held))
+
+    def _timed(self, label: str, reduce) -> None:
+        start = time.perf_counter()
+        reduce()
+        self._events.append((label, start, time.perf_counter()))
 
     @property
     def held_gradients(self) -> int:
-        """Deferred gradients written but not reduced yet (gradient sync off, or W work still owed)."""
-        return sum(len(g.held) for g in self._groups)
+        """Deferred gradients written but not reduced yet (gradient sync off, W work still owed, or waiting for
+        ``finish()``); gradients of a background reduction in flight are not counted (see ``in_flight``)."""
+        return sum(len(g.held) for g in self._groups) + sum(len(held) for _, held in self._ready)
+
+    @property
+    def in_flight(self) -> int:
+        """Background reductions (``mode="async"``) started and not yet joined by ``finish()``."""
+        return 0 if self._reducer is None else self._reducer.pending
+
+    def finish(self) -> None:
+        """Complete every reduction that is due: run the held ones (``"finish"``), join the background ones
+        (``"async"``). Afterwards the sharded ``.grad`` holds them. Gradients still owed W work, or held with
+        gradient sync off, stay held.
+
+        Raises:
+            RuntimeError: a background reduction failed or timed out (named).
+        """
+        ready, self._ready = self._ready, []
+        for group, held in ready:
+            self._timed(
+                f"reduce-scatter {group.name}",
+                lambda group=group, held=held: reduce_group_now(group.group, held),
+            )
+        if self._reducer is not None:
+            self._reducer.wait()
+
+    def pop_comm_events(self) -> list[tuple[str, float, float]]:
+        """The reduce-scatters run since the last call, as ``(label, start, end)`` in ``time.perf_counter()``
+        seconds (``"async"``: those joined by ``finish()``); the pipeline runtime puts them on its timeline."""
+        events = list(self._events)
+        self._events.clear()
+        if self._reducer is not None:
+            events += self._reducer.events
+            self._reducer.events.clear()
+        return sorted(events, key=lambda e: e[1])
 
     def release_to_fsdp(self) -> int:
         """Hand every held gradient back to FSDP2, whose next ``post_backward`` reduces it.
@@ -98,26 +164,37 @@ class FSDPReductionHandle:
         Returns:
             The number of gradients handed back.
         """
+        self.finish_background()
+        ready, self._ready = self._ready, []
         n = 0
-        for g in self._groups:
-            held, g.held = g.held, {}
+        for g, held in [(g, g.held) for g in self._groups] + ready:
+            g.held = {}
             for fsdp_param, grad in held.items():
                 hand_back(fsdp_param, grad)
                 n += 1
         return n
 
+    def finish_background(self) -> None:
+        """Join the background reductions only (``"async"``; a no-op otherwise); FSDP2's next use waits so."""
+        if self._reducer is not None and self._reducer.pending:
+            self._reducer.wait()
+
     def remove(self) -> None:
         """Uninstall; refuses while gradients are held for a reduction that would then never happen.
 
         Raises:
-            RuntimeError: gradients are held (name the groups); reduce them first (sync on, ``backward_dw``).
+            RuntimeError: gradients are held (name the groups); reduce them first (sync on, ``backward_dw``,
+                ``finish()``).
         """
-        holding = [g.name for g in self._groups if g.held]
+        holding = [g.name for g in self._groups if g.held] + [g.name for g, _ in self._ready]
         if holding:
             raise RuntimeError(
                 f"defer_fsdp_reduction handle: FSDP groups {holding} hold deferred gradients not reduced yet "
-                "(gradient sync off, or wgrad work still owed); removing now would lose them"
+                "(gradient sync off, wgrad work still owed, or finish() not called); removing now would lose them"
             )
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -127,14 +204,44 @@ class FSDPReductionHandle:
         self._groups = []
 
 
-def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
+class _InstanceAttr:
+    """A removable handle for an instance attribute that shadows a method (``post_backward`` wrappers)."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def _wait_first(handle: FSDPReductionHandle, group: object):
+    """``group.post_backward`` that first joins ``handle``'s background reductions (same process group)."""
+
+    def post_backward(*args: object) -> None:
+        handle.finish_background()
+        type(group).post_backward(group, *args)
+
+    return post_backward
+
+
+def defer_fsdp_reduction(
+    model: nn.Module, *, mode: ReductionMode = "last_w", timeout: float = 300.0
+) -> FSDPReductionHandle:
     """Make FSDP2 reduce-scatter deferred weight gradients when each group's last wgrad task has run.
 
     Call after ``fully_shard`` (and before the first backward whose W work you defer). Afterwards
-    ``splitgrad.backward_dw(model)`` leaves the sharded DTensor ``.grad`` equal to immediate mode.
+    ``splitgrad.backward_dw(model)`` (then ``handle.finish()`` unless ``mode="last_w"``) leaves the sharded
+    DTensor ``.grad`` equal to immediate mode.
 
     Args:
         model: a module tree containing ``fully_shard``-ed modules and splitgrad split layers.
+        mode: when a group whose last W ran (gradient sync on) is reduce-scattered: ``"last_w"`` inside that
+            task; ``"finish"`` at ``handle.finish()``; ``"async"`` on a background thread started then (with
+            its own reduce-scatter process group, ``set_separate_reduce_scatter_group``), joined by
+            ``handle.finish()``, by the model's next forward, or by FSDP2's next ``post_backward`` of the
+            model. With ``"async"``, read ``.grad`` (``clip_grad_norm_``, ``optimizer.step()``) only after
+            ``finish()``.
+        timeout: seconds ``finish()`` waits for each background reduction (``"async"``).
 
     Returns:
         A handle; ``.remove()`` uninstalls, ``.held_gradients`` counts gradients awaiting their reduction.
@@ -147,6 +254,8 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
     """
     from torch.distributed.fsdp import FSDPModule
 
+    if mode not in _MODES:
+        raise ValueError(f"defer_fsdp_reduction: mode must be one of {_MODES}, got {mode=}")
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not fsdp_modules:
         raise ValueError(
@@ -185,10 +294,13 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
             raise ValueError(f"defer_fsdp_reduction: {label} is already set up (remove the first handle)")
         fsdp_name, group, params = found[0]
         plans.append((layer, group, params, fsdp_name))
+    result = FSDPReductionHandle(mode, type(model).__name__, timeout=timeout)
     for layer, group, params, fsdp_name in plans:
         deferred = groups.get(id(group))
         if deferred is None:
-            deferred = groups[id(group)] = _DeferredGroup(group, fsdp_name or type(model).__name__)
+            deferred = groups[id(group)] = _DeferredGroup(
+                group, fsdp_name or type(model).__name__, result._on_ready
+            )
         deferred.layers.append(layer)
         layer.__dict__["_splitgrad_fsdp_deferred"] = True
         layers_by_handle.append(layer)
@@ -202,10 +314,34 @@ def defer_fsdp_reduction(model: nn.Module) -> FSDPReductionHandle:
                 lambda d=deferred, layer=layer, params=params: d.after_task(layer, params)
             )
         )
-    logger.debug("defer_fsdp_reduction: %d split layers in %d FSDP2 groups", len(plans), len(groups))
-    result = FSDPReductionHandle(list(groups.values()), handles)
+    if mode == "async" and groups:
+        _own_reduce_scatter_group(fsdp_modules)
+        # Every FSDP2 reduction of this model runs on that process group: FSDP2's own first joins the background.
+        for _, module in fsdp_modules:
+            for group in fsdp_param_groups(module):
+                group.post_backward = _wait_first(result, group)
+                handles.append(_InstanceAttr(group, "post_backward"))
+        # prepend: join before FSDP2's own pre-forward touches the groups.
+        handles.append(model.register_forward_pre_hook(lambda *_: result.finish_background(), prepend=True))
+    logger.debug(
+        "defer_fsdp_reduction: %d split layers in %d FSDP2 groups (%s)", len(plans), len(groups), mode
+    )
+    result._groups, result._handles = list(groups.values()), handles
     for layer in layers_by_handle:
         layer.__dict__["_splitgrad_fsdp_deferred"] = (
             result  # found by the torch.distributed.pipelining adapter
         )
     return result
+
+
+def _own_reduce_scatter_group(fsdp_modules: list[tuple[str, nn.Module]]) -> None:
+    """Give the outermost FSDP2 modules (and so all below) a reduce-scatter process group of their own.
+
+    A background reduce-scatter then never shares a process group with an all-gather the main thread issues
+    (gloo runs a group's collectives in call order; two threads calling one group could pair different
+    collectives across ranks). Collective over each shard group (``new_group(use_local_synchronization=True)``).
+    """
+    names = [name for name, _ in fsdp_modules]
+    for name, module in fsdp_modules:
+        if not any(other != name and (other == "" or name.startswith(other + ".")) for other in names):
+            module.set_separate_reduce_scatter_group(True)

@@ -87,6 +87,9 @@ def finish_grad_sync(rt: PipelineRuntime, action: Action, received: Received) ->
     if module is not None:
         rt._sync_open.add(action.stage)
         module.finish_grad_sync()
+        # A wrapper that times its reductions (FSDPStage) puts them on the stage's comm lane.
+        for label, start, end in getattr(module, "pop_comm_events", list)():
+            rt.recorder.comm(label, start, end, stage=action.stage, kind="grad-sync")
 
 
 def _syncing(rt: PipelineRuntime, *stages: int) -> contextlib.AbstractContextManager[None]:

@@ -74,10 +74,14 @@ class TimelineRecorder:
         if self.enabled:
             self.events.append(TimelineEvent.from_action(self.rank, action, start - self.t0, end - self.t0))
 
-    def comm(self, label: str, start: float, end: float) -> None:
-        """Record a communication wait ``[start, end)`` (``perf_counter`` values) on the side track."""
+    def comm(
+        self, label: str, start: float, end: float, *, stage: int | None = None, kind: str = "comm"
+    ) -> None:
+        """Record a communication ``[start, end)`` (``perf_counter`` values) on the side track: a receive wait
+        (kind ``"comm"``), or a stage's data-parallel reduction (kind ``"grad-sync"``, kept out of the
+        receive-wait statistics)."""
         if self.enabled:
-            self.events.append(TimelineEvent(self.rank, label, start - self.t0, end - self.t0, "comm"))
+            self.events.append(TimelineEvent(self.rank, label, start - self.t0, end - self.t0, kind, stage))
 
 
 def gather_events(

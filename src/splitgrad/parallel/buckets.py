@@ -3,7 +3,9 @@
 One :class:`GradBuffer` per ``(device, dtype)`` holds every trainable parameter's gradient as a view
 (``param.main_grad``). Parameters are laid out in the order given (the wrapper passes reverse registration
 order, i.e. roughly backprop order) and the buffer is cut into :class:`Bucket`\\ s of about ``bucket_size``
-elements, each reduced by one asynchronous collective. A parameter never straddles two buckets.
+elements (the first one of each buffer about ``first_bucket_size``, as torch DDP does, so that the first
+collective starts early), each reduced by one asynchronous collective. A parameter never straddles two
+buckets.
 
 Nothing here knows about hooks or readiness; a bucket only knows how to start and finish its collective.
 """
@@ -177,6 +179,7 @@ def build_buffers(
     bucket_size: int,
     grad_dtype_for: dict[torch.dtype, torch.dtype],
     world_size: int,
+    first_bucket_size: int | None = None,
 ) -> tuple[list[GradBuffer], list[Bucket]]:
     """Lay ``named_params`` out (in the given order) into per-``(device, dtype)`` buffers and buckets.
 
@@ -187,6 +190,7 @@ def build_buffers(
         bucket_size: a bucket is closed once it holds at least this many elements.
         grad_dtype_for: parameter dtype -> gradient buffer dtype.
         world_size: bucket sizes are padded to a multiple of it (reduce-scatter needs equal shards).
+        first_bucket_size: the same for the first bucket of each buffer; None: ``bucket_size``.
 
     Returns:
         ``(buffers, buckets)``; buckets are ordered by the position of their first parameter in
@@ -208,7 +212,8 @@ def build_buffers(
             cut.members.append((pos, name, p))
             cut.ranges.append((offset - cut.start, offset - cut.start + p.numel()))
             offset += p.numel()
-            if offset - cut.start >= bucket_size:
+            cap = bucket_size if len(mine) > 1 or first_bucket_size is None else first_bucket_size
+            if offset - cut.start >= cap:
                 offset = cut.close(offset, world_size)
                 mine.append(_Cut(start=offset))
         if not mine[-1].members:

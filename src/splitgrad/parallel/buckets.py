@@ -51,6 +51,29 @@ class GradBuffer:
         self.device = device
         self.data = torch.zeros(numel, dtype=dtype, device=device)
         self.buckets: list[Bucket] = []
+        self._zero_version: int | None = self.data._version
+
+    # Known-zero tracking. A parameter's first gradient can be *written* into its slice (a copy, or a division
+    # straight into it) instead of added to zeros, and its bucket then need not be divided again: one pass
+    # over the gradient instead of three (add, then divide; the zeroing is paid either way). That is only
+    # right while the slice is still zero, which the buffer's version counter tells: every in-place write
+    # through any view of it bumps the counter. The owner re-arms the mark after each write of its own.
+    def mark_zero(self) -> None:
+        """Declare the buffer all zero (just zeroed): writes from now on are watched."""
+        self._zero_version = self.data._version
+
+    def mark_dirty(self) -> None:
+        """Declare the contents unknown (e.g. after a collective, which bumps no version counter)."""
+        self._zero_version = None
+
+    @property
+    def untouched(self) -> bool:
+        """True when nothing but the owner's re-armed writes touched the buffer since :meth:`mark_zero`."""
+        return self._zero_version is not None and self._zero_version == self.data._version
+
+    def rearm(self, was_untouched: bool) -> None:
+        """After a write of the owner's own: keep watching if the buffer was untouched before it."""
+        self._zero_version = self.data._version if was_untouched else None
 
     def __repr__(self) -> str:
         return (
@@ -111,6 +134,7 @@ class Bucket:
         average: str,
         reduce_scatter: bool,
         divisor: int | None = None,
+        predivided: Sequence[bool] | None = None,
     ) -> None:
         """Start the asynchronous collective over :attr:`data`.
 
@@ -121,6 +145,8 @@ class Bucket:
                 divide in :meth:`wait`).
             reduce_scatter: reduce-scatter (each rank keeps its :meth:`shard`) instead of all-reduce.
             divisor: what ``"pre"``/``"post"`` divide by (None: ``world_size``; ``"op"`` always averages).
+            predivided: per parameter (in :attr:`params` order), whether its slice already holds its gradient
+                divided by ``divisor`` (``"pre"`` only); those slices are not divided again.
         """
         if self.launched:
             raise RuntimeError(f"bucket {self.index} ({self.describe()}) was already launched this step")
@@ -129,7 +155,14 @@ class Bucket:
             op = dist.ReduceOp.AVG
         elif average == "pre":
             # torch DDP's reducer divides before summing too; doing the same keeps results bit-identical to it.
-            self.data.div_(divisor or world_size)
+            done = predivided if predivided is not None else (False,) * len(self.params)
+            if not any(done):
+                self.data.div_(divisor or world_size)
+            elif not all(done):
+                # Padding and unused slices are zero: only the parameters not yet divided need it.
+                for (lo, hi), skip in zip(self.param_ranges, done, strict=True):
+                    if not skip:
+                        self.data[lo:hi].div_(divisor or world_size)
         self._post_divide = (divisor or world_size) if average == "post" else 0
         if reduce_scatter:
             self._work = _reduce_scatter(

@@ -125,6 +125,8 @@ class DistributedDataParallel(GradSync, nn.Module):
             for p in bucket.params:
                 bucket_of[self._index_of[id(p)]] = bucket.index
         self._counts = StepCounts(bucket_of, len(self._buckets))
+        #: Per parameter: its slice already holds this step's gradient divided by grad_divisor.
+        self._predivided = [False] * len(self._params)
         self._lock = threading.RLock()
         self._sync = True
         self._next_bucket = 0

@@ -76,6 +76,8 @@ class GradSync:
             self._grads_exposed = False
             self._exposed = []
             self._start_new_step()
+            for buffer in self._buffers:
+                buffer.mark_zero()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Same as :meth:`zero_grad_buffer` (``set_to_none`` is accepted for ``nn.Module`` compatibility)."""
@@ -122,9 +124,15 @@ class GradSync:
                 )
             main_grad = p.main_grad
             if p.grad_added_to_main_grad:
+                if self._predivided[idx]:
+                    raise RuntimeError(
+                        f"DistributedDataParallel: a gradient for {self._names[idx]!r} was added into main_grad "
+                        "after the step's only announced gradient, already divided for the collective, was "
+                        "written there: the sum would be wrong. Run every forward through the wrapper (ddp(x))"
+                    )
                 p.grad_added_to_main_grad = False
             elif p.grad.data_ptr() != main_grad.data_ptr():
-                main_grad.add_(p.grad)
+                self._accumulate(idx, bucket, p.grad, main_grad)
             # else: .grad is the exposed main_grad view and autograd accumulated into it in place.
             p.grad = None
             self._counts.arrive(idx)
@@ -132,21 +140,54 @@ class GradSync:
                 while self._next_bucket < len(self._buckets) and self._counts.complete(self._next_bucket):
                     self._launch(self._buckets[self._next_bucket])
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _accumulate(self, idx: int, bucket: Bucket, grad: torch.Tensor, main_grad: torch.Tensor) -> None:
+        """Add ``grad`` into ``main_grad`` — by writing it, when the slice is known to be zero.
+
+        torch DDP copies each gradient into its bucket, dividing on the way; adding into zeros and dividing
+        the bucket at launch costs two more passes over the gradient in the middle of backward. When this is
+        the parameter's first contribution and its buffer was written by nothing but this wrapper since it
+        was zeroed (:meth:`GradBuffer.untouched`), the slice is zero: write instead. When it is also the
+        only contribution of the step (outside ``no_sync``) and the bucket is divided before the collective,
+        divide while writing (the bits of adding then dividing, up to the sign of a zero: 0 + (-0) is +0) and
+        let the launch skip that slice.
+        """
+        buffer, counts = bucket.buffer, self._counts
+        untouched = buffer.untouched
+        if self._predivided[idx]:
+            # A contribution no forward announced, after this slice was divided: undo the division first.
+            main_grad.mul_(self.grad_divisor).add_(grad)
+            self._predivided[idx] = False
+        elif untouched and counts.arrived[idx] == 0:
+            if self._sync and counts.expected[idx] == 1 and self._average_mode(bucket) == "pre":
+                torch.div(grad, self.grad_divisor, out=main_grad)
+                self._predivided[idx] = True
+            else:
+                main_grad.copy_(grad)
+        else:
+            main_grad.add_(grad)
+        buffer.rearm(untouched)
+
+    def _average_mode(self, bucket: Bucket) -> str:
         if self.config.average_in_collective:
             custom = self.grad_divisor != self.world_size  # ReduceOp.AVG divides by the group size only
-            average = "op" if self._supports_avg(bucket) and not custom else "pre"
-        else:
-            average = "post"
+            return "op" if self._supports_avg(bucket) and not custom else "pre"
+        return "post"
+
+    def _launch(self, bucket: Bucket) -> None:
+        untouched = bucket.buffer.untouched
         with torch.profiler.record_function(f"splitgrad.ddp.reduce:bucket{bucket.index}"):
             bucket.launch(
                 self.process_group,
                 world_size=self.world_size,
                 rank=self.rank,
-                average=average,
+                average=self._average_mode(bucket),
                 reduce_scatter=self.config.reduce_scatter,
                 divisor=self.grad_divisor,
+                predivided=[self._predivided[self._index_of[id(p)]] for p in bucket.params],
             )
+        # The collective writes the bucket later without a version bump; the division was ours. Its other
+        # buckets' slices are still watched (a launched bucket takes no more contributions).
+        bucket.buffer.rearm(untouched)
         self._next_bucket = bucket.index + 1
         self.launch_order.append(bucket.index)
         if logger.isEnabledFor(logging.DEBUG):
@@ -175,6 +216,10 @@ class GradSync:
     def _start_new_step(self) -> None:
         for bucket in self._buckets:
             bucket.reset()
+        # The buffers hold what the collectives wrote (no version bump): unknown until zeroed again.
+        for buffer in self._buffers:
+            buffer.mark_dirty()
+        self._predivided = [False] * len(self._params)
         self._counts.reset()
         self._next_bucket = 0
         self.launch_order = []
@@ -188,6 +233,7 @@ class GradSync:
         drop ``.grad``, so that autograd cannot accumulate into it out of place and be counted twice.
         """
         with self._lock, torch.no_grad():
+            all_zeroed = all(p.grad is None for p in self._params)
             for name, p, exposed in zip(self._names, self._params, self._exposed):
                 grad = p.grad
                 if grad is None:
@@ -205,3 +251,6 @@ class GradSync:
                     )
             self._grads_exposed = False
             self._exposed = []
+            if all_zeroed:  # optimizer.zero_grad(): every slice was zeroed just now (padding always is)
+                for buffer in self._buffers:
+                    buffer.mark_zero()

@@ -218,9 +218,12 @@ def trace(results: dict) -> list[str]:
         ):
             left = " ".join(f"{100 * (1 - r / end):.0f}" for r in ready)
             _, finish = coverable(ready, link, end)
+            # Under the link model, how many earlier reductions are still running when each bucket is ready.
+            queued = max(sum(f > r for f in finish[:k]) for k, r in enumerate(ready))
             lines.append(
                 f"{name:<22} {kind:<8} backward {1e3 * end:6.1f} ms; % of it left when each bucket was ready: "
-                f"{left}; link model: last reduction ends at {100 * finish[-1] / end:.0f} % of it"
+                f"{left}; link model: last reduction ends at {100 * finish[-1] / end:.0f} % of it, "
+                f"at most {queued} reduction(s) queued ahead of a new one"
             )
     return lines
 

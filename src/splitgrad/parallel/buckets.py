@@ -55,7 +55,7 @@ class GradBuffer:
 
     # Known-zero tracking. A parameter's first gradient can be *written* into its slice (a copy, or a division
     # straight into it) instead of added to zeros, and its bucket then need not be divided again: one pass
-    # over the gradient instead of three (add, then divide; the zeroing is paid either way). That is only
+    # over the gradient instead of two (add, then divide; the zeroing is paid either way). That is only
     # right while the slice is still zero, which the buffer's version counter tells: every in-place write
     # through any view of it bumps the counter. The owner re-arms the mark after each write of its own.
     def mark_zero(self) -> None:

@@ -144,7 +144,7 @@ class GradSync:
         """Add ``grad`` into ``main_grad`` — by writing it, when the slice is known to be zero.
 
         torch DDP copies each gradient into its bucket, dividing on the way; adding into zeros and dividing
-        the bucket at launch costs two more passes over the gradient in the middle of backward. When this is
+        the bucket at launch costs one more pass over the gradient in the middle of backward. When this is
         the parameter's first contribution and its buffer was written by nothing but this wrapper since it
         was zeroed (:meth:`GradBuffer.untouched`), the slice is zero: write instead. When it is also the
         only contribution of the step (outside ``no_sync``) and the bucket is divided before the collective,

@@ -78,3 +78,31 @@ def test_split_capable_protocol():
     impostor = torch.nn.Linear(2, 2)
     impostor.wgrad_store = "not a store"
     assert not splitgrad.core.is_split_capable(impostor)
+
+
+def test_split_capable_is_structural_and_needs_every_method():
+    """is_split_capable spells out the protocol check (fast): same answer as isinstance(.., SplitCapable)."""
+
+    class Duck:
+        def __init__(self) -> None:
+            self.wgrad_store = splitgrad.WeightGradStore()
+
+        def need_backward_dw(self) -> bool:
+            return False
+
+        def backward_dw(self) -> None: ...
+
+        def register_wgrad_accumulation_and_reduce_hooks(self, hook): ...
+
+        def get_backward_dw_params(self) -> list:
+            return []
+
+    duck = Duck()
+    assert splitgrad.core.is_split_capable(duck) and isinstance(duck, splitgrad.SplitCapable)
+    methods = ("need_backward_dw", "backward_dw", "register_wgrad_accumulation_and_reduce_hooks")
+    for method in (*methods, "get_backward_dw_params"):
+        lame = Duck()
+        setattr(lame, method, None)  # present but not callable
+        assert not splitgrad.core.is_split_capable(lame), method
+    del duck.wgrad_store
+    assert not splitgrad.core.is_split_capable(duck)

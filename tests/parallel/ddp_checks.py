@@ -23,6 +23,10 @@ from tests.parallel.ddp_error_checks import (
     check_timeout_is_an_error,
     check_unused_parameter_error,
 )
+from tests.parallel.ddp_launch_checks import (
+    check_backward_dw_completes_buckets_front_to_back,
+    check_buckets_launch_when_ready,
+)
 from tests.parallel.ddp_models import (
     BATCH,
     D_OUT,
@@ -385,6 +389,8 @@ WORLD2_ONLY = [
     check_two_forwards_one_backward,
     check_mixed_dtypes,
     check_fusible_ops,
+    check_buckets_launch_when_ready,
+    check_backward_dw_completes_buckets_front_to_back,
     check_unused_parameter_error,
     check_pending_and_late_errors,
     check_timeout_is_an_error,

@@ -46,12 +46,26 @@ def test_config_and_keywords_build_the_same_options(group):
         ({"bucket_sise": 7}, r"unknown option\(s\) \['bucket_sise'\]; DDPConfig fields: \[.*'bucket_size'"),
         ({"config": {"bucket_size": 7}}, r"config must be a DDPConfig, got dict"),
         ({"bucket_size": 0}, r"bucket_size must be positive"),
+        ({"first_bucket_size": -1}, r"first_bucket_size must be positive, got self.first_bucket_size=-1"),
     ],
 )
 def test_bad_options_are_named(kwargs, match):
     # Checked before torch.distributed is needed, so no group here.
     with pytest.raises(ValueError, match=match):
         DistributedDataParallel(_layer(), **kwargs)
+
+
+def test_first_bucket_is_small_like_torch_ddp(group):
+    """The first bucket (launched first) is capped at 1 MiB of fp32 like torch DDP's, the others at
+    bucket_size; a wide layer last in backprop order then no longer delays the first launch."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(5)))  # 4 MiB per layer
+    assert DDPConfig().resolved_first_bucket_size == 2**18
+    assert DDPConfig(bucket_size=100).resolved_first_bucket_size == 100  # never above bucket_size
+    with DistributedDataParallel(model, process_group=group) as ddp:
+        sizes = [len(b.params) for b in ddp.buckets]
+        assert sizes == [2, 8], sizes  # the last layer's bias and weight, then the rest (< 25 MiB)
+    with DistributedDataParallel(model, process_group=group, first_bucket_size=25 * 2**18) as ddp:
+        assert [len(b.params) for b in ddp.buckets] == [10]  # negative check: one bucket without the cap
 
 
 def test_build_runtime_takes_a_typed_config(group):

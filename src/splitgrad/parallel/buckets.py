@@ -3,7 +3,9 @@
 One :class:`GradBuffer` per ``(device, dtype)`` holds every trainable parameter's gradient as a view
 (``param.main_grad``). Parameters are laid out in the order given (the wrapper passes reverse registration
 order, i.e. roughly backprop order) and the buffer is cut into :class:`Bucket`\\ s of about ``bucket_size``
-elements, each reduced by one asynchronous collective. A parameter never straddles two buckets.
+elements (the first one of each buffer about ``first_bucket_size``, as torch DDP does, so that the first
+collective starts early), each reduced by one asynchronous collective. A parameter never straddles two
+buckets.
 
 Nothing here knows about hooks or readiness; a bucket only knows how to start and finish its collective.
 """
@@ -49,6 +51,29 @@ class GradBuffer:
         self.device = device
         self.data = torch.zeros(numel, dtype=dtype, device=device)
         self.buckets: list[Bucket] = []
+        self._zero_version: int | None = self.data._version
+
+    # Known-zero tracking. A parameter's first gradient can be *written* into its slice (a copy, or a division
+    # straight into it) instead of added to zeros, and its bucket then need not be divided again: one pass
+    # over the gradient instead of two (add, then divide; the zeroing is paid either way). That is only
+    # right while the slice is still zero, which the buffer's version counter tells: every in-place write
+    # through any view of it bumps the counter. The owner re-arms the mark after each write of its own.
+    def mark_zero(self) -> None:
+        """Declare the buffer all zero (just zeroed): writes from now on are watched."""
+        self._zero_version = self.data._version
+
+    def mark_dirty(self) -> None:
+        """Declare the contents unknown (e.g. after a collective, which bumps no version counter)."""
+        self._zero_version = None
+
+    @property
+    def untouched(self) -> bool:
+        """True when nothing but the owner's re-armed writes touched the buffer since :meth:`mark_zero`."""
+        return self._zero_version is not None and self._zero_version == self.data._version
+
+    def rearm(self, was_untouched: bool) -> None:
+        """After a write of the owner's own: keep watching if the buffer was untouched before it."""
+        self._zero_version = self.data._version if was_untouched else None
 
     def __repr__(self) -> str:
         return (
@@ -109,6 +134,7 @@ class Bucket:
         average: str,
         reduce_scatter: bool,
         divisor: int | None = None,
+        predivided: Sequence[bool] | None = None,
     ) -> None:
         """Start the asynchronous collective over :attr:`data`.
 
@@ -119,6 +145,8 @@ class Bucket:
                 divide in :meth:`wait`).
             reduce_scatter: reduce-scatter (each rank keeps its :meth:`shard`) instead of all-reduce.
             divisor: what ``"pre"``/``"post"`` divide by (None: ``world_size``; ``"op"`` always averages).
+            predivided: per parameter (in :attr:`params` order), whether its slice already holds its gradient
+                divided by ``divisor`` (``"pre"`` only); those slices are not divided again.
         """
         if self.launched:
             raise RuntimeError(f"bucket {self.index} ({self.describe()}) was already launched this step")
@@ -127,7 +155,14 @@ class Bucket:
             op = dist.ReduceOp.AVG
         elif average == "pre":
             # torch DDP's reducer divides before summing too; doing the same keeps results bit-identical to it.
-            self.data.div_(divisor or world_size)
+            done = predivided if predivided is not None else (False,) * len(self.params)
+            if not any(done):
+                self.data.div_(divisor or world_size)
+            elif not all(done):
+                # Padding and unused slices are zero: only the parameters not yet divided need it.
+                for (lo, hi), skip in zip(self.param_ranges, done, strict=True):
+                    if not skip:
+                        self.data[lo:hi].div_(divisor or world_size)
         self._post_divide = (divisor or world_size) if average == "post" else 0
         if reduce_scatter:
             self._work = _reduce_scatter(
@@ -177,6 +212,7 @@ def build_buffers(
     bucket_size: int,
     grad_dtype_for: dict[torch.dtype, torch.dtype],
     world_size: int,
+    first_bucket_size: int | None = None,
 ) -> tuple[list[GradBuffer], list[Bucket]]:
     """Lay ``named_params`` out (in the given order) into per-``(device, dtype)`` buffers and buckets.
 
@@ -187,6 +223,7 @@ def build_buffers(
         bucket_size: a bucket is closed once it holds at least this many elements.
         grad_dtype_for: parameter dtype -> gradient buffer dtype.
         world_size: bucket sizes are padded to a multiple of it (reduce-scatter needs equal shards).
+        first_bucket_size: the same for the first bucket of each buffer; None: ``bucket_size``.
 
     Returns:
         ``(buffers, buckets)``; buckets are ordered by the position of their first parameter in
@@ -208,7 +245,8 @@ def build_buffers(
             cut.members.append((pos, name, p))
             cut.ranges.append((offset - cut.start, offset - cut.start + p.numel()))
             offset += p.numel()
-            if offset - cut.start >= bucket_size:
+            cap = bucket_size if len(mine) > 1 or first_bucket_size is None else first_bucket_size
+            if offset - cut.start >= cap:
                 offset = cut.close(offset, world_size)
                 mine.append(_Cut(start=offset))
         if not mine[-1].members:

@@ -13,6 +13,8 @@ __all__ = ["DDPConfig"]
 
 #: torch DDP's default bucket (``bucket_cap_mb=25``) expressed in float32 elements.
 DEFAULT_BUCKET_SIZE = 25 * 2**20 // 4
+#: torch DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB) expressed in float32 elements.
+DEFAULT_FIRST_BUCKET_SIZE = 2**20 // 4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,6 +23,11 @@ class DDPConfig:
 
     bucket_size: int | None = None
     """Elements per bucket (a bucket closes once it reaches this); None: 25 MiB of float32 (torch DDP's)."""
+
+    first_bucket_size: int | None = None
+    """Elements in the first bucket of each gradient buffer, the one launched first. None: at most 1 MiB of
+    float32 (torch DDP's first bucket), or ``bucket_size`` when that is smaller. A small first bucket starts
+    the first collective after the last layer's backward instead of after ``bucket_size`` elements of it."""
 
     overlap_grad_reduce: bool = True
     """Start each bucket's collective as soon as it is complete, during backward / ``backward_dw``. False:
@@ -55,6 +62,8 @@ class DDPConfig:
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"DDPConfig: bucket_size must be positive, got {self.bucket_size=}")
+        if self.first_bucket_size is not None and self.first_bucket_size <= 0:
+            raise ValueError(f"DDPConfig: first_bucket_size must be positive, got {self.first_bucket_size=}")
         if self.grad_reduce_dtype is not None and not self.grad_reduce_dtype.is_floating_point:
             raise ValueError(
                 f"DDPConfig: grad_reduce_dtype must be a floating dtype, got {self.grad_reduce_dtype=}"
@@ -86,6 +95,12 @@ class DDPConfig:
     @property
     def resolved_bucket_size(self) -> int:
         return DEFAULT_BUCKET_SIZE if self.bucket_size is None else self.bucket_size
+
+    @property
+    def resolved_first_bucket_size(self) -> int:
+        if self.first_bucket_size is not None:
+            return self.first_bucket_size
+        return min(DEFAULT_FIRST_BUCKET_SIZE, self.resolved_bucket_size)
 
     @property
     def wait_timeout(self) -> datetime.timedelta | None:

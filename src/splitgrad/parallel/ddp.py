@@ -21,16 +21,18 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import ensure_no_pending_wgrad, split_modules
+from ..core import ensure_no_pending_wgrad
 from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
+from .ddp_hooks import detach, install_hooks
+from .grad_sync import GradSync
 from .readiness import StepCounts, count_contributions
 
 __all__ = ["DistributedDataParallel"]
@@ -38,7 +40,7 @@ __all__ = ["DistributedDataParallel"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(GradSync, nn.Module):
     """Wrap ``module`` for data-parallel training with overlapped, wgrad-aware gradient reduction.
 
     Every trainable parameter gets ``param.main_grad``; after :meth:`finish_grad_sync` it holds the
@@ -114,6 +116,7 @@ class DistributedDataParallel(nn.Module):
         self._buffers, self._buckets = build_buffers(
             layout,
             bucket_size=self.config.resolved_bucket_size,
+            first_bucket_size=self.config.resolved_first_bucket_size,
             grad_dtype_for={p.dtype: self.config.grad_dtype(p.dtype) for p in self._params},
             world_size=self.world_size,
         )
@@ -122,6 +125,8 @@ class DistributedDataParallel(nn.Module):
             for p in bucket.params:
                 bucket_of[self._index_of[id(p)]] = bucket.index
         self._counts = StepCounts(bucket_of, len(self._buckets))
+        #: Per parameter: its slice already holds this step's gradient divided by grad_divisor.
+        self._predivided = [False] * len(self._params)
         self._lock = threading.RLock()
         self._sync = True
         self._next_bucket = 0
@@ -138,30 +143,16 @@ class DistributedDataParallel(nn.Module):
         #: of the whole expert-parallel group (see splitgrad.parallel.expert.ExpertDataParallel).
         self.grad_divisor = self.world_size
 
-        # The hooks live on the parameters and stores, which the wrapper reaches through self.module: a hook
-        # holding the wrapper strongly makes a cycle through C++ (the parameters' hook tables) that Python's
-        # gc cannot see, so the wrapper, and with it the process group, would never be freed. The group then
-        # outlives destroy_process_group() and gloo aborts the process at exit. Hooks hold a weak reference.
-        self._handles: list[Any] = []
-        for i, p in enumerate(self._params):
-            p.grad_added_to_main_grad = False
-            self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self._on_autograd_grad, i)))
-        # One hook per store: a composite op exposes its inner op's store (and hooks) as its own, and
-        # registering on both would count every contribution twice.
-        owners: dict[int, tuple[nn.Module, list[int]]] = {}
-        for _, owner in split_modules(module):
-            _, owned = owners.setdefault(id(owner.wgrad_store), (owner, []))
-            for p in owner.get_backward_dw_params():
-                idx = self._index_of.get(id(p))
-                if idx is not None and idx not in owned:
-                    owned.append(idx)
-        for owner, owned in owners.values():
-            if owned:
-                hook = _weak_hook(self._on_wgrad, tuple(owned))
-                self._handles.append(owner.register_wgrad_accumulation_and_reduce_hooks(hook))
-        # A wrapper dropped without close() detaches like remove_hooks(): its hooks could only call a dead
-        # wrapper, and a stale main_grad would pin the buffer and refuse the next wrapper.
-        self._finalizer = weakref.finalize(self, _detach, self._handles, self._params)
+        # Hooks hold the wrapper weakly (see splitgrad.parallel.ddp_hooks): a strong cycle through C++ would
+        # keep the wrapper, and its process group, alive past destroy_process_group().
+        self._handles = install_hooks(
+            module,
+            self._params,
+            self._index_of,
+            on_autograd_grad=self._on_autograd_grad,
+            on_wgrad=self._on_wgrad,
+        )
+        self._finalizer = weakref.finalize(self, detach, self._handles, self._params)
         self._finalizer.atexit = False
         if self.config.broadcast_at_init:
             self.broadcast_params()
@@ -235,58 +226,6 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
-    def finish_grad_sync(self) -> None:
-        """Issue the collectives not started yet, wait for all, leave the average in every ``main_grad``.
-
-        Raises:
-            RuntimeError: inside :meth:`no_sync`; while weight-gradient work is pending; when a parameter
-                received no gradient this step (unless ``allow_unused_parameters``); when a collective fails
-                or times out.
-        """
-        self._check_open("finish_grad_sync()")
-        if not self._sync:
-            raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside no_sync()")
-        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.finish_grad_sync()")
-        with self._lock, torch.no_grad(), torch.profiler.record_function("splitgrad.ddp.finish_grad_sync"):
-            launched_early = self._next_bucket
-            if not self.config.allow_unused_parameters:
-                self._check_all_arrived()
-            while self._next_bucket < len(self._buckets):
-                self._launch(self._buckets[self._next_bucket])
-            for bucket in self._buckets:
-                bucket.wait(self.config.wait_timeout, rank=self.rank)
-            self.last_launch_order, self.last_launched_early = self.launch_order, launched_early
-            self._start_new_step()
-        if self.config.expose_grads and not self.config.reduce_scatter:
-            self._exposed = [
-                p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype) for p in self._params
-            ]
-            for p, grad in zip(self._params, self._exposed):
-                p.grad = grad
-            self._grads_exposed = True
-
-    def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad``, drop ``.grad``, and start a new step (waits for in-flight reductions)."""
-        self._check_open("zero_grad_buffer()")
-        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.zero_grad_buffer()")
-        with self._lock, torch.no_grad():
-            for bucket in self._buckets:
-                if bucket.in_flight:
-                    bucket.wait(self.config.wait_timeout, rank=self.rank)
-            for buffer in self._buffers:
-                buffer.data.zero_()
-            for p in self._params:
-                p.grad = None
-                p.grad_added_to_main_grad = False
-            self._grads_exposed = False
-            self._exposed = []
-            self._start_new_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Same as :meth:`zero_grad_buffer` (``set_to_none`` is accepted for ``nn.Module`` compatibility)."""
-        del set_to_none
-        self.zero_grad_buffer()
-
     def broadcast_params(self) -> None:
         """Copy parameters and buffers of the group's rank 0 to every rank."""
         self._check_open("broadcast_params()")
@@ -303,13 +242,9 @@ class DistributedDataParallel(nn.Module):
                     f"rank {self.rank} ({exc}); did every rank construct the wrapper / call broadcast_params()?"
                 ) from exc
 
-    def local_grad_shards(self) -> list[torch.Tensor]:
-        """Per bucket, the ``(numel / world_size,)`` shard this rank owns (averaged after a reduce-scatter)."""
-        return [b.shard(self.rank, self.world_size) for b in self._buckets]
-
     def remove_hooks(self) -> None:
         """Detach from the module: remove every hook and the ``main_grad`` attributes."""
-        _detach(self._handles, self._params)
+        detach(self._handles, self._params)
         # Nothing left to clean up when the wrapper dies; running later, the finalizer would strip the
         # main_grad of a wrapper built on these parameters since.
         self._finalizer.detach()
@@ -365,151 +300,8 @@ class DistributedDataParallel(nn.Module):
         if self._closed:
             raise RuntimeError(f"DistributedDataParallel.{what}: the wrapper was closed (close())")
 
-    # -- readiness ----------------------------------------------------------------------------------------
-    def _on_autograd_grad(self, idx: int, param: torch.Tensor) -> None:
-        # Parameters whose module writes the gradient report through the wgrad hook; their AccumulateGrad
-        # still runs (with no gradient) and must not count.
-        if getattr(param, "skip_backward_post_hook", False) or param.grad is None:
-            return
-        self._contribute(idx)
-
-    def _on_wgrad(self, indices: tuple[int, ...]) -> None:
-        for idx in indices:
-            p = self._params[idx]
-            if p.grad is not None or p.grad_added_to_main_grad:
-                self._contribute(idx)
-
-    def _contribute(self, idx: int) -> None:
-        p = self._params[idx]
-        # backward_dw may run with grad mode on: the buffer must never join an autograd graph.
-        with self._lock, torch.no_grad():
-            if self._grads_exposed:
-                raise RuntimeError(
-                    f"DistributedDataParallel: a gradient for {self._names[idx]!r} arrived after "
-                    "finish_grad_sync() before a new step began; call ddp.zero_grad_buffer() (or run the next "
-                    "forward through the wrapper, ddp(x), which takes back the exposed .grad views) first"
-                )
-            bucket = self._buckets[self._counts.bucket_of[idx]]
-            if bucket.launched:
-                raise RuntimeError(
-                    f"DistributedDataParallel: a gradient for {self._names[idx]!r} arrived after its bucket "
-                    f"{bucket.index} started reducing (contributions: expected {self._counts.expected[idx]}, "
-                    f"this is number {self._counts.arrived[idx] + 1}). Run the model through the wrapper "
-                    "(ddp(x), not ddp.module(x)), backward each forward's output once, wrap all but the last "
-                    "microbatch in no_sync(), and keep parameters visible in the forward graph (reentrant "
-                    "activation checkpointing hides them: use use_reentrant=False, or overlap_grad_reduce=False)"
-                )
-            main_grad = p.main_grad
-            if p.grad_added_to_main_grad:
-                p.grad_added_to_main_grad = False
-            elif p.grad.data_ptr() != main_grad.data_ptr():
-                main_grad.add_(p.grad)
-            # else: .grad is the exposed main_grad view and autograd accumulated into it in place.
-            p.grad = None
-            self._counts.arrive(idx)
-            if self._sync and self.config.overlap_grad_reduce and self._counts.complete(bucket.index):
-                while self._next_bucket < len(self._buckets) and self._counts.complete(self._next_bucket):
-                    self._launch(self._buckets[self._next_bucket])
-
-    def _launch(self, bucket: Bucket) -> None:
-        if self.config.average_in_collective:
-            custom = self.grad_divisor != self.world_size  # ReduceOp.AVG divides by the group size only
-            average = "op" if self._supports_avg(bucket) and not custom else "pre"
-        else:
-            average = "post"
-        with torch.profiler.record_function(f"splitgrad.ddp.reduce:bucket{bucket.index}"):
-            bucket.launch(
-                self.process_group,
-                world_size=self.world_size,
-                rank=self.rank,
-                average=average,
-                reduce_scatter=self.config.reduce_scatter,
-                divisor=self.grad_divisor,
-            )
-        self._next_bucket = bucket.index + 1
-        self.launch_order.append(bucket.index)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("rank %d launched bucket %d (%s)", self.rank, bucket.index, bucket.describe())
-
-    def _supports_avg(self, bucket: Bucket) -> bool:
-        # NCCL averages natively; gloo does not everywhere (and torch DDP pre-divides on it), so pre-divide.
-        return bucket.buffer.device.type != "cpu" and "nccl" in str(dist.get_backend(self.process_group))
-
-    def _check_all_arrived(self) -> None:
-        unused = self._counts.unused(range(len(self._params)))
-        if not unused:
-            return
-        listed = "; ".join(
-            f"{self._names[i]} ({f'in {e} forward graph(s)' if e else 'in no forward graph'})"
-            for i, e in unused[:10]
-        )
-        more = f"; … {len(unused) - 10} more" if len(unused) > 10 else ""
-        raise RuntimeError(
-            f"DistributedDataParallel.finish_grad_sync(): {len(unused)} parameter(s) received no gradient on "
-            f"rank {self.rank}: {listed}{more}. Unused in the forward, a forward whose output was not "
-            "backwarded, or requires_grad changed after wrapping; pass allow_unused_parameters=True if "
-            "unused parameters are expected"
-        )
-
-    def _start_new_step(self) -> None:
-        for bucket in self._buckets:
-            bucket.reset()
-        self._counts.reset()
-        self._next_bucket = 0
-        self.launch_order = []
-
-    def _take_back_grads(self) -> None:
-        """Start a step after finish_grad_sync() exposed ``.grad``: honour how the user zeroed it.
-
-        ``optimizer.zero_grad()`` (set_to_none) leaves ``.grad`` None: zero that ``main_grad``. A view still in
-        place was zeroed in place or kept on purpose (accumulate, as torch does): keep its data. A cast copy
-        (parameter narrower than main_grad) is copied back, so whatever was done to it counts. Either way
-        drop ``.grad``, so that autograd cannot accumulate into it out of place and be counted twice.
-        """
-        with self._lock, torch.no_grad():
-            for name, p, exposed in zip(self._names, self._params, self._exposed):
-                grad = p.grad
-                if grad is None:
-                    p.main_grad.zero_()
-                    p.grad_added_to_main_grad = False
-                elif grad is exposed or grad.data_ptr() == p.main_grad.data_ptr():
-                    if grad.data_ptr() != p.main_grad.data_ptr():
-                        p.main_grad.copy_(grad)
-                    p.grad = None
-                else:
-                    raise RuntimeError(
-                        f"DistributedDataParallel: {name}.grad was replaced by another tensor after "
-                        "finish_grad_sync(); it would be added to main_grad again. Zero the gradients "
-                        "(ddp.zero_grad_buffer(), ddp.zero_grad() or optimizer.zero_grad()) before the next step"
-                    )
-            self._grads_exposed = False
-            self._exposed = []
-
     def extra_repr(self) -> str:
         return (
             f"world_size={self.world_size}, params={len(self._params)}, buckets={len(self._buckets)}, "
             f"overlap_grad_reduce={self.config.overlap_grad_reduce}, reduce_scatter={self.config.reduce_scatter}"
         )
-
-
-def _weak_hook(method: Callable[..., None], *bound: Any) -> Callable[..., None]:
-    """``method(*bound, *args)`` through a weak reference to ``method``'s object (a no-op once it is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args: Any) -> None:
-        target = ref()
-        if target is not None:
-            target(*bound, *args)
-
-    return hook
-
-
-def _detach(handles: list[Any], params: list[nn.Parameter]) -> None:
-    """Remove the hooks (emptying ``handles`` in place) and the attributes the wrapper set on ``params``."""
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-    for p in params:
-        for attr in ("main_grad", "grad_added_to_main_grad"):
-            if hasattr(p, attr):
-                delattr(p, attr)

@@ -143,12 +143,13 @@ def ep_groups(rank: int, world: int, ep: int):
 
 
 def hook_reduction(
-    rank: int, world: int, ep: int, cases: list[tuple[dict, int, int, str, str]]
+    rank: int, world: int, ep: int, cases: list[tuple[dict, int, int, str, str]], overlap_experts: tuple = ()
 ) -> list[dict]:
     """EP x expert-DP with :class:`ExpertDataParallel` against the single-process reference.
 
     Per case ``(config overrides, local batch, seq, experts kind, mode)``, mode one of ``immediate``,
-    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation).
+    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation). Then, per ``overlap_experts`` kind, the same
+    groups with two microbatches in the overlapped order (``overlap_dp_checks``; one spawn for both).
     """
     from splitgrad.parallel.expert import ExpertDataParallel
 
@@ -201,6 +202,15 @@ def hook_reduction(
             raise AssertionError("an expert gradient scaled by the wrong group size was accepted")
         edp.close()
         report.append({"mode": mode, "buckets": buckets})
+    from tests.expert.overlap_dp_checks import overlap_with_expert_dp
+
+    for experts in overlap_experts:
+        report.append(
+            {
+                "mode": f"overlapped/{experts}",
+                **overlap_with_expert_dp(rank, world, ep, ep_group, edp_group, experts),
+            }
+        )
     return report
 
 

@@ -42,15 +42,33 @@ def test_ep_size_must_divide_num_experts():
 
 
 def test_hook_driven_reduction_ep2_x_expert_dp2():
-    """4 ranks: EP = 2 x expert-DP = 2 (dense DP = 4); buckets started by the wgrad hooks, grads exact."""
+    """4 ranks: EP = 2 x expert-DP = 2 (dense DP = 4); buckets started by the wgrad hooks, grads exact.
+
+    The same spawn then runs two microbatches through ExpertDataParallel in the overlapped order
+    (``F0 (F1 || B0) B1 W``, expert W inside the dispatch all-to-all): gradients equal the reference and, bitwise,
+    the in-order run; each bucket starts once, from a hook, on the main thread, though hooks fire on the pair's
+    backward thread.
+    """
     cases = [
         ({}, 1, 8, "module", "immediate"),
         ({}, 1, 8, "module", "delayed"),
         ({"bias": False}, 1, 8, "ops", "fused"),
         ({"num_experts": 8, "top_k": 1}, 1, 4, "ops", "delayed"),
     ]
-    reports = spawn(ep_checks.hook_reduction, 4, 2, cases, timeout=300.0, pg_timeout=150.0)
-    assert [case["mode"] for case in reports[0]] == ["immediate", "delayed", "fused", "delayed"]
+    reports = spawn(ep_checks.hook_reduction, 4, 2, cases, ("module",), timeout=300.0, pg_timeout=150.0)
+    assert [case["mode"] for case in reports[0]] == [
+        "immediate",
+        "delayed",
+        "fused",
+        "delayed",
+        "overlapped/module",
+    ]
+    for report in reports:
+        overlapped = report[-1]
+        assert overlapped["negative"] and overlapped["bare_model_refused"]
+        assert overlapped[True]["buckets"] == overlapped[False]["buckets"] >= 4
+        # The pair's backward thread really fired wgrad hooks (expert W inside the dispatch all-to-all).
+        assert "splitgrad-overlap-backward" in overlapped[True]["hook_threads"]
 
 
 def test_overlapped_forward_backward_is_bitwise_sequential():

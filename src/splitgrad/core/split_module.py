@@ -84,7 +84,7 @@ class SplitModule(nn.Module):
         """
         apply = function.apply
         if self.splits_wgrad():
-            _refuse_torch_ddp(self._describe())
+            _refuse_torch_ddp(self)
             apply = functools.partial(apply_outside_compile, function)  # torch.compile: core/compile.py
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self._check_same_device(tensors[0], tensors[1:])
@@ -252,12 +252,14 @@ class SplitModule(nn.Module):
         return f"{type(self).__name__}({self.extra_repr()})"
 
 
-def _refuse_torch_ddp(owner: str) -> None:
+def _refuse_torch_ddp(owner: SplitModule) -> None:
     # Private torch attribute, read only: the DDP module whose forward is running (torch.compile uses it).
     active = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
     if active is not None and active() is not None:
+        # Described only when refusing: formatting extra_repr on every forward cost a string build per call,
+        # and under FSDP2 + torch.compile dynamo cannot trace it (a graph break without splitgrad's reason).
         raise RuntimeError(
-            f"{owner} writes its own weight gradient (delay_wgrad_compute / fuse_wgrad_accumulation) inside "
+            f"{owner._describe()} writes its own weight gradient (delay_wgrad_compute / fuse_wgrad_accumulation) inside "
             "torch.nn.parallel.DistributedDataParallel, whose reducer only sees gradients autograd accumulates: "
             "they would never be reduced. Wrap the model in splitgrad.parallel.DistributedDataParallel instead "
             "(see docs/parallel.md), or use immediate mode"

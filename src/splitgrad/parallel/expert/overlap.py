@@ -16,6 +16,7 @@ backward dispatch all-to-all is in flight (Megatron-Core's ``--delay-wgrad-compu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -42,7 +43,9 @@ def overlapped_forward_backward(
     """Return ``module(x)`` while ``torch.autograd.backward(y, dy)`` runs concurrently.
 
     Args:
-        module: a model or pipeline stage whose expert-parallel layers have a separate ``backward_group``.
+        module: a model or pipeline stage whose expert-parallel layers have a separate ``backward_group``, or
+            its splitgrad data-parallel wrapper (e.g. :class:`~splitgrad.parallel.expert.ExpertDataParallel`;
+            the pair then runs inside its ``no_sync()``: the backward part never starts a reduction).
         x: the forward part's input (e.g. ``ids: (batch, seq)`` or activations ``(batch, seq, hidden)``).
         y: the backward part's output (a loss or a stage output), from an earlier forward of ``module``.
         dy: its gradient, same shape as ``y`` (None for a scalar loss).
@@ -58,7 +61,8 @@ def overlapped_forward_backward(
         ``module(x)``.
 
     Raises:
-        ValueError: an expert-parallel layer exchanges forward and backward over the same group.
+        ValueError: an expert-parallel layer exchanges forward and backward over the same group, or ``module``
+            is the bare model under a data-parallel wrapper (pass the wrapper).
         RuntimeError: the backward raised (chained) or did not finish within ``timeout``.
     """
     layers = {name: m for name, m in module.named_modules() if isinstance(m, ExpertParallelMoEMLP)}
@@ -69,6 +73,15 @@ def overlapped_forward_backward(
             "all-to-alls; concurrent parts would interleave their collectives differently on each rank. Build "
             "the model with ep_backward_group (a second group of the same ranks)"
         )
+    if not _is_data_parallel(module):
+        wrapped = [name for name, p in module.named_parameters() if hasattr(p, "grad_added_to_main_grad")]
+        if wrapped:
+            raise ValueError(
+                f"overlapped_forward_backward: {type(module).__name__}'s parameters {wrapped[:3]} are managed by a "
+                "data-parallel wrapper (they carry grad_added_to_main_grad); pass the wrapper (e.g. the "
+                "ExpertDataParallel) as module: it counts the forward part and keeps the backward part inside "
+                "no_sync(), so no reduction starts from the backward thread"
+            )
     errors: list[BaseException] = []
 
     def backward() -> None:
@@ -81,16 +94,25 @@ def overlapped_forward_backward(
     before = {name: m.wgrad_in_dispatch for name, m in layers.items()}
     for m in layers.values():
         m.wgrad_in_dispatch = m.wgrad_in_dispatch if wgrad_in_dispatch is None else wgrad_in_dispatch
+    # Under a splitgrad data-parallel wrapper the backward part's wgrad hooks fire on the backward thread while
+    # the forward part issues its all-to-alls and aux-loss all-reduce (over the model's dp_group, often the
+    # wrappers' group too). A bucket started from there would interleave with those collectives in a
+    # different order on each rank (gloo pairs collectives of a group by issue order: a mismatch or a hang).
+    # The pair's backward is never the step's last microbatch (the forward part's microbatch is still to
+    # come), so its contributions must only accumulate: the pair runs inside the wrapper's no_sync(), and
+    # every bucket starts later, on the calling thread, from the hooks of the last microbatch's B / W.
+    sync_off = module.no_sync() if _is_data_parallel(module) else contextlib.nullcontext()
     thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
-    thread.start()
-    try:
-        with torch.profiler.record_function("splitgrad.overlap.forward"):
-            out = module(x)
-    finally:
-        thread.join(timeout)
-        if not thread.is_alive():  # a backward still running keeps reading the flags
-            for name, m in layers.items():
-                m.wgrad_in_dispatch = before[name]
+    with sync_off:
+        thread.start()
+        try:
+            with torch.profiler.record_function("splitgrad.overlap.forward"):
+                out = module(x)
+        finally:
+            thread.join(timeout)
+            if not thread.is_alive():  # a backward still running keeps reading the flags
+                for name, m in layers.items():
+                    m.wgrad_in_dispatch = before[name]
     if thread.is_alive():
         raise RuntimeError(
             f"overlapped_forward_backward: the backward part did not finish within {timeout} s"
@@ -100,6 +122,12 @@ def overlapped_forward_backward(
             0
         ]
     return out
+
+
+def _is_data_parallel(module: nn.Module) -> bool:
+    """A splitgrad data-parallel wrapper (``DistributedDataParallel``, ``ExpertDataParallel``): the same duck
+    test as the pipeline runtime's."""
+    return callable(getattr(module, "no_sync", None)) and callable(getattr(module, "finish_grad_sync", None))
 
 
 class OverlappedMoEStage(nn.Module):

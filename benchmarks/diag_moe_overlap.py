@@ -117,10 +117,11 @@ def _mode(
             continue
         f, b = stats["forward"], stats["backward"]
         early, late_s, after_s = _cross_rank(log, logs[1 - rank])
-        forward_waits = [(s, e) for n, s, e in log if not n.endswith("backward")]
-        backward_waits = _minus(
-            [(s, e) for n, s, e in log if n.endswith("backward")], [(s, e) for _, s, e in wgrad_log]
-        )
+        # Compute inside a logged wait is not waiting: the expert W in the dispatch backward, and (baton) the
+        # wait to take the baton back while the other part computes.
+        busy = [(s, e) for _, s, e in wgrad_log] + list(stats.get("baton_waits", []))
+        forward_waits = _minus([(s, e) for n, s, e in log if not n.endswith("backward")], busy)
+        backward_waits = _minus([(s, e) for n, s, e in log if n.endswith("backward")], busy)
         both = _measure(_minus(forward_waits, _minus(forward_waits, backward_waits)))
         values = {
             "cpu seq": seq_cpu, "cpu fwd": f["cpu"], "cpu bwd": b["cpu"], "wall ovl": max(f["end"], b["end"]) - f["start"],
@@ -128,7 +129,7 @@ def _mode(
             "threads fwd": f["num_threads"], "threads bwd": b["num_threads"], "os threads": max(tasks, tasks_after),
             "exchanges": len(log), "early": early, "peer late": late_s, "after posted": after_s, "both waiting": both,
             "fwd waits": _measure(forward_waits), "bwd waits": _measure(backward_waits),
-            "handoffs": stats.get("handoffs", 0),
+            "handoffs": stats.get("handoffs", 0), "baton": _measure(stats.get("baton_waits", [])),
         }  # fmt: skip
         for key, value in values.items():
             rows.setdefault(key, []).append(float(value))
@@ -173,16 +174,17 @@ def main() -> None:
     print(
         "| wgrad | switch (ms) | threads | cpu seq (ms) | cpu fwd + bwd (ms) | ctx sw vol / invol | torch threads fwd/bwd, OS "
         "| exchanges, entered before peer posted | peer late / after posted (ms) | fwd / bwd waits (ms) | "
-        "both waiting (ms) |"
+        "both waiting (ms) | wall ovl (ms), of it waiting for the baton |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (mode, interval, variant), r in results[0].items():
         print(
             f"| {mode} | {interval * 1e3:.1f} | {variant} | {r['cpu seq'] * 1e3:.1f} | {r['cpu fwd'] * 1e3:.1f} + "
             f"{r['cpu bwd'] * 1e3:.1f} | {r['vol']:.0f} / {r['invol']:.0f} ({r['handoffs']:.0f} handoffs) | {r['threads fwd']:.0f}/"
             f"{r['threads bwd']:.0f}, {r['os threads']:.0f} | {r['exchanges']:.0f}, {r['early']:.0f} | "
             f"{r['peer late'] * 1e3:.1f} / {r['after posted'] * 1e3:.1f} | {r['fwd waits'] * 1e3:.1f} / "
-            f"{r['bwd waits'] * 1e3:.1f} | {r['both waiting'] * 1e3:.1f} |"
+            f"{r['bwd waits'] * 1e3:.1f} | {r['both waiting'] * 1e3:.1f} | {r['wall ovl'] * 1e3:.1f}, "
+            f"{r['baton'] * 1e3:.1f} |"
         )
 
 

@@ -291,6 +291,8 @@ def _check_pair_stats(stats: dict, model, *, exclusive: bool) -> None:
     expected = 6 * len(layers) if exclusive else None
     if stats.get("handoffs") != expected:
         raise AssertionError(f"baton handoffs {stats.get('handoffs')}, expected {expected}")
+    if exclusive and len(stats["baton_waits"]) != expected:
+        raise AssertionError(f"{len(stats['baton_waits'])} baton take-backs logged for {expected} hand-offs")
 
 
 class _ExpertWatch:

@@ -10,7 +10,7 @@ from splitgrad.parallel.expert.baton import ComputeBaton
 def test_baton_hands_the_core_over_only_at_waits():
     """The main thread holds the baton; the worker can run only while the main thread is inside ``released()``
     and the main thread resumes only when the worker gives it back (event order, no timing)."""
-    baton, order = ComputeBaton(), []
+    baton, order = ComputeBaton(log=[]), []
     started = threading.Event()
 
     def worker() -> None:
@@ -41,6 +41,7 @@ def test_baton_hands_the_core_over_only_at_waits():
     assert order.index("main computes") < order.index("worker computes") < order.index("worker waits")
     assert order.index("main resumes") > order.index("worker waits")
     assert baton.handoffs == 2
+    assert len(baton.log) == 2 and all(start <= end for start, end in baton.log)  # one take-back per wait
     assert not baton.held()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 __all__ = ["ComputeBaton"]
@@ -27,11 +28,14 @@ class ComputeBaton:
     a pair (e.g. an autograd node's backward run after the pair) waits as usual.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: list | None = None) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
         #: Times a thread gave the baton up to wait (diagnostics).
         self.handoffs = 0
+        #: When a list: ``(start, end)`` (``time.perf_counter()`` seconds) of each wait to take the baton back
+        #: after an exchange wait; the other part computed meanwhile (diagnostics).
+        self.log = log
 
     def acquire(self) -> None:
         """Block until the calling thread holds the baton (it waits while the other part computes)."""
@@ -60,4 +64,7 @@ class ComputeBaton:
         try:
             yield
         finally:
+            start = time.perf_counter()
             self.acquire()
+            if self.log is not None:
+                self.log.append((start, time.perf_counter()))

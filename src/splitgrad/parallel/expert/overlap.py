@@ -64,7 +64,8 @@ def overlapped_forward_backward(
             ``start`` / ``end`` (``time.perf_counter()`` seconds), ``cpu`` (its thread's CPU seconds, load
             independent), ``num_threads`` (``torch.get_num_threads()`` seen by that thread) and, where the OS
             reports them, ``voluntary`` / ``involuntary`` context switches of that thread (diagnostics), plus
-            ``handoffs`` (waits that gave the baton up) with ``exclusive_compute``.
+            ``handoffs`` (waits that gave the baton up) and ``baton_waits`` (``(start, end)`` of each wait to take
+            it back, the other part computing) with ``exclusive_compute``.
         exclusive_compute: only one part computes at a time; each gives the core to the other exactly while it
             waits for an exchange (a :class:`~splitgrad.parallel.expert.baton.ComputeBaton`), instead of the OS
             time-slicing two runnable threads. Same arithmetic, same gradients (bitwise).
@@ -96,7 +97,7 @@ def overlapped_forward_backward(
             )
     errors: list[BaseException] = []
 
-    baton = ComputeBaton() if exclusive_compute else None
+    baton = ComputeBaton(log=[] if thread_stats is not None else None) if exclusive_compute else None
 
     def backward() -> None:
         if baton is not None:
@@ -143,6 +144,7 @@ def overlapped_forward_backward(
                     m.wgrad_in_dispatch, m.compute_baton = before[name]
     if thread_stats is not None and baton is not None:
         thread_stats["handoffs"] = baton.handoffs
+        thread_stats["baton_waits"] = list(baton.log or [])
     if thread.is_alive():
         raise RuntimeError(
             f"overlapped_forward_backward: the backward part did not finish within {timeout} s"

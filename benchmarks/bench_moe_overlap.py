@@ -24,6 +24,7 @@ Communication must take wall time, not CPU, for overlap to be visible: run it in
 
     python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py
     python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py
+    python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py --exclusive-compute
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
             wgrad_log.clear()
             start, cpu = time.perf_counter(), time.process_time()
             if variant == "overlapped":
-                logits1 = overlapped_forward_backward(model, ids[1], loss0)
+                logits1 = overlapped_forward_backward(
+                    model, ids[1], loss0, exclusive_compute=args.exclusive_compute
+                )
             else:
                 loss0.backward()
                 if delayed:
@@ -187,6 +190,11 @@ def main() -> None:
         help="comma-separated wgrad modes, each a row: immediate, delayed (expert W inside the dispatch)",
     )
     parser.add_argument("--delayed", action="store_true", help="only the delayed mode (--modes delayed)")
+    parser.add_argument(
+        "--exclusive-compute",
+        action="store_true",
+        help="overlapped pair with exclusive_compute=True: one part computes at a time, switching at waits",
+    )
     args = parser.parse_args()
     if args.delayed:
         args.modes = ["delayed"]
@@ -196,7 +204,7 @@ def main() -> None:
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "
-        "rank 0 medians"
+        f"exclusive_compute={args.exclusive_compute}; rank 0 medians"
     )
     print(
         "| wgrad | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "

@@ -215,7 +215,8 @@ def hook_reduction(
 
 
 def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
-    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``: losses and gradients bitwise equal."""
+    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``, the pair OS-scheduled and with
+    ``exclusive_compute`` (parts switch only at exchange waits): losses and gradients bitwise equal."""
     from splitgrad.parallel.expert import overlapped_forward_backward
 
     ep_group, back_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
@@ -226,7 +227,8 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     out = []
     for delay, experts in modes:
         runs = []
-        for overlapped in (False, True):
+        for variant in ("sequential", "overlapped", "exclusive"):
+            overlapped = variant != "sequential"
             model = ExpertParallelMoEGPT(
                 moe_config(delay_wgrad_compute=delay == "delayed"),
                 ep_group=ep_group,
@@ -237,8 +239,12 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             watch = _ExpertWatch(model)
             loss0 = lm_loss(model(local[0][0]), local[1][0])
             if overlapped:
-                logits1 = overlapped_forward_backward(model, local[0][1], loss0)
+                stats: dict = {}
+                logits1 = overlapped_forward_backward(
+                    model, local[0][1], loss0, thread_stats=stats, exclusive_compute=variant == "exclusive"
+                )
                 watch.after_pair(delayed=delay == "delayed")
+                _check_pair_stats(stats, model, exclusive=variant == "exclusive")
             else:
                 loss0.backward()
                 logits1 = model(local[0][1])
@@ -248,10 +254,13 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
                 splitgrad.backward_dw(model)
             watch.after_step(delayed=delay == "delayed", overlapped=overlapped)
             runs.append((torch.stack([loss0.detach(), loss1.detach()]), grads(model)))
-        (la, ga), (lb, gb) = runs
-        torch.testing.assert_close(lb, la, rtol=0, atol=0)
-        for name in ga:
-            torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        (la, ga), *others = runs
+        for lb, gb in others:
+            torch.testing.assert_close(lb, la, rtol=0, atol=0)
+            for name in ga:
+                torch.testing.assert_close(
+                    gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
+                )
         if delay == "delayed":  # microbatch 1's expert W was added to what ran inside the dispatch: not lost
             first = watch.snapshot
             if torch.equal(first, gb["blocks.0.mlp.fc1.weight0"]):
@@ -266,6 +275,24 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     else:
         raise AssertionError("overlap with a shared group was accepted")
     return out
+
+
+def _check_pair_stats(stats: dict, model, *, exclusive: bool) -> None:
+    """``thread_stats`` of a pair: both parts timed, on one torch thread each; with ``exclusive_compute`` both
+    parts handed the baton over at their waits (forward: counts, dispatch, combine, aux all-reduce per layer;
+    backward: combine and dispatch backward per layer) and no layer kept the pair's baton."""
+    for part in ("forward", "backward"):
+        entry = stats[part]
+        if not (entry["end"] >= entry["start"] and entry["cpu"] > 0 and entry["num_threads"] == 1):
+            raise AssertionError(f"thread_stats[{part!r}] = {entry}")
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
+    if any(layer.compute_baton is not None for layer in layers):
+        raise AssertionError("a layer kept the pair's compute baton")
+    expected = 6 * len(layers) if exclusive else None
+    if stats.get("handoffs") != expected:
+        raise AssertionError(f"baton handoffs {stats.get('handoffs')}, expected {expected}")
+    if exclusive and len(stats["baton_waits"]) != expected:
+        raise AssertionError(f"{len(stats['baton_waits'])} baton take-backs logged for {expected} hand-offs")
 
 
 class _ExpertWatch:

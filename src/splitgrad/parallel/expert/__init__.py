@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .all_to_all import AllToAll, all_to_all, exchange_counts
+from .all_to_all import AllToAll, CountExchange, all_to_all, exchange_counts, start_count_exchange
 from .dispatch_wgrad import run_expert_wgrad
 from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
 from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
@@ -13,6 +13,7 @@ from .state import load_full_state_dict
 __all__ = [
     "EXPERT_KINDS",
     "AllToAll",
+    "CountExchange",
     "ExpertDataParallel",
     "ExpertParallelMoEGPT",
     "ExpertParallelMoEMLP",
@@ -25,4 +26,5 @@ __all__ = [
     "overlapped_forward_backward",
     "run_expert_wgrad",
     "set_wgrad_in_dispatch",
+    "start_count_exchange",
 ]

@@ -12,6 +12,7 @@ rank that never joins raises a ``RuntimeError`` naming the operation instead of 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -20,12 +21,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllToAll", "all_to_all", "exchange_counts", "wait_work"]
+from .baton import ComputeBaton
+
+__all__ = ["AllToAll", "CountExchange", "all_to_all", "exchange_counts", "start_count_exchange", "wait_work"]
 
 logger = logging.getLogger(__name__)
 
 
-def wait_work(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: float | None = None) -> None:
+def wait_work(
+    work: dist.Work,
+    what: str,
+    group: dist.ProcessGroup,
+    timeout: float | None = None,
+    baton: ComputeBaton | None = None,
+) -> None:
     """Wait for ``work``; raise a ``RuntimeError`` naming ``what`` and this rank when it fails or times out.
 
     Args:
@@ -33,12 +42,14 @@ def wait_work(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: flo
         what: the operation, for the error message.
         group: its process group (for the rank in the message).
         timeout: seconds; None waits as long as the group's own timeout.
+        baton: the overlapped pair's :class:`ComputeBaton`, released for the wait if this thread holds it.
     """
     try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        with baton.released() if baton is not None else contextlib.nullcontext():
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
     except Exception as exc:
         raise RuntimeError(
             f"expert parallel {what} did not complete on rank {dist.get_rank(group)} of "
@@ -62,6 +73,53 @@ def exchange_counts(
         ``(ep_size, local_experts)`` int64 on the host: row ``s`` holds how many copies rank ``s`` sends to
         each of this rank's experts.
     """
+    return start_count_exchange(counts, group).wait(timeout)
+
+
+class CountExchange:
+    """A token-count exchange in flight (from :func:`start_count_exchange`); :meth:`wait` returns its result.
+
+    Starting it before the token permutation and waiting just before the dispatch lets the round trip run
+    under that compute instead of as a separate blocking step (in an overlapped pair, one hand-off fewer).
+    """
+
+    def __init__(
+        self,
+        received: torch.Tensor,
+        work: dist.Work,
+        group: dist.ProcessGroup,
+        log: list | None,
+        baton: ComputeBaton | None = None,
+    ) -> None:
+        self._received, self._work, self._group, self._log, self._baton = received, work, group, log, baton
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Wait for the exchange; return ``(ep_size, local_experts)`` int64 on the host (see
+        :func:`exchange_counts`)."""
+        start = time.perf_counter()
+        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton)
+        if (
+            self._log is not None
+        ):  # (name, wait start, end): only the blocked part (the permutation ran before)
+            self._log.append(("dispatch counts", start, time.perf_counter()))
+        return self._received.view(dist.get_world_size(self._group), -1).cpu()
+
+
+def start_count_exchange(
+    counts: torch.Tensor, group: dist.ProcessGroup, log: list | None = None, baton: ComputeBaton | None = None
+) -> CountExchange:
+    """Start :func:`exchange_counts` asynchronously; wait with the returned handle's ``wait()``.
+
+    Args:
+        counts: ``(ep_size * local_experts,)`` int64, as :func:`exchange_counts`.
+        group: the expert-parallel group.
+        log: when given, the wait appends ``("dispatch counts", start, end)`` (``time.perf_counter()`` seconds,
+            from entering the wait).
+        baton: released for the wait (see :func:`wait_work`).
+
+    Returns:
+        The exchange in flight.
+    """
     ep = dist.get_world_size(group)
     if counts.dim() != 1 or counts.numel() % ep:
         raise ValueError(
@@ -70,8 +128,7 @@ def exchange_counts(
         )
     received = torch.empty_like(counts)
     work = dist.all_to_all_single(received, counts.contiguous(), group=group, async_op=True)
-    wait_work(work, "token-count exchange", group, timeout)
-    return received.view(ep, -1).cpu()
+    return CountExchange(received, work, group, log, baton)
 
 
 def _exchange(
@@ -82,6 +139,7 @@ def _exchange(
     what: str,
     log: list | None = None,
     while_in_flight: Callable[[], object] | None = None,
+    baton: ComputeBaton | None = None,
 ) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -91,9 +149,9 @@ def _exchange(
             while_in_flight()
         finally:
             # Waited even when the work in flight failed: a collective left unwaited would hang the group.
-            wait_work(work, what, group)
+            wait_work(work, what, group, baton=baton)
     else:
-        wait_work(work, what, group)
+        wait_work(work, what, group, baton=baton)
     if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
         log.append((what, start, time.perf_counter()))
     return out
@@ -109,17 +167,27 @@ class AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, what, backward_group, log, in_backward_flight):  # type: ignore[override]
+    def forward(ctx, x, out_splits, in_splits, group, what, backward_group, log, in_backward_flight, baton):  # type: ignore[override]
         ctx.splits, ctx.group, ctx.what, ctx.log = (out_splits, in_splits), backward_group, what, log
-        ctx.in_flight = in_backward_flight
-        return _exchange(x, out_splits, in_splits, group, what, log)
+        ctx.in_flight, ctx.baton = in_backward_flight, baton
+        return _exchange(x, out_splits, in_splits, group, what, log, baton=None if baton is None else baton())
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        dx = _exchange(grad, in_splits, out_splits, ctx.group, f"{ctx.what} backward", ctx.log, ctx.in_flight)
+        dx = _exchange(
+            grad,
+            in_splits,
+            out_splits,
+            ctx.group,
+            f"{ctx.what} backward",
+            ctx.log,
+            ctx.in_flight,
+            None if ctx.baton is None else ctx.baton(),  # the baton of the pair running this backward, if any
+        )
         return (
             dx,
+            None,
             None,
             None,
             None,
@@ -140,6 +208,7 @@ def all_to_all(
     backward_group: dist.ProcessGroup | None = None,
     log: list | None = None,
     in_backward_flight: Callable[[], object] | None = None,
+    baton: Callable[[], ComputeBaton | None] | None = None,
 ) -> torch.Tensor:
     """Differentiable variable-split all-to-all over ``group``.
 
@@ -154,6 +223,9 @@ def all_to_all(
             (``time.perf_counter()`` seconds, wait included).
         in_backward_flight: called in the backward after the backward exchange started and before it is
             waited for (work independent of it, e.g. the experts' deferred weight gradients); None: nothing.
+        baton: returns the :class:`ComputeBaton` of the overlapped pair running now (or None), asked at each
+            wait of both directions (the backward may run in a later pair than the forward); the thread holding
+            it releases it while waiting. None: plain waits.
 
     Returns:
         ``(sum(out_splits), *rest)``.
@@ -169,4 +241,6 @@ def all_to_all(
             f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
         )
     back = group if backward_group is None else backward_group
-    return AllToAll.apply(x, list(out_splits), list(in_splits), group, what, back, log, in_backward_flight)
+    return AllToAll.apply(
+        x, list(out_splits), list(in_splits), group, what, back, log, in_backward_flight, baton
+    )

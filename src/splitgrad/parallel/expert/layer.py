@@ -5,7 +5,7 @@ Rank ``r`` of an expert-parallel group of size ``ep`` owns the ``E / ep`` consec
 
     probs, w, e = route(norm(x))                     # router and norm replicated (dense parameters)
     sorted copies by global expert                   # = grouped by owning rank, as in the single-process layer
-    counts -> exchange_counts -> received counts     # split sizes first (one host sync)
+    counts -> exchange_counts -> received counts     # split sizes first (started before the permutation)
     dispatch all_to_all -> rows by (source rank, local expert)
     regroup by local expert (stable: source-rank order within an expert = the global token order)
     fc2(act(fc1(rows)))                              # GroupedLinear over the local experts, wgrad deferrable
@@ -32,7 +32,8 @@ from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
-from .all_to_all import all_to_all, exchange_counts, wait_work
+from .all_to_all import all_to_all, start_count_exchange, wait_work
+from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
 
 __all__ = ["EXPERT_KINDS", "ExpertParallelMoEMLP"]
@@ -116,6 +117,9 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.wgrad_in_dispatch = False
         #: Set to a list to record each such run as ``("expert wgrad", start, end)`` (perf_counter seconds).
         self.wgrad_log: list | None = None
+        #: Set by ``overlapped_forward_backward(..., exclusive_compute=True)`` for the pair: the exchanges of both
+        #: directions release it while they wait (see ``baton.py``); None: plain waits.
+        self.compute_baton: ComputeBaton | None = None
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
@@ -152,8 +156,12 @@ class ExpertParallelMoEMLP(MoEMLP):
 
         # Permute as the single-process layer: copies sorted by global expert, hence by owning rank.
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        # The split-size exchange is started first and waited just before the dispatch: its round trip runs
+        # under the permutation below instead of as a blocking step of its own (in an overlapped pair, a wait
+        # entered before the peer posted hands the core to the other part and costs a hand-off back).
+        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, self.compute_baton)
+        order = torch.argsort(flat, stable=True)
         copies = h.unsqueeze(1).expand(tokens, k, h.shape[-1]).reshape(-1, h.shape[-1])
         sent = copies.index_select(0, order)
 
@@ -161,7 +169,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         stats = torch.cat([counts, counts.new_tensor([tokens])])
         stats_work = dist.all_reduce(stats, group=self.dp_group, async_op=True)
 
-        received_counts = exchange_counts(counts, self.ep_group)  # (ep, local_experts), host
+        received_counts = count_exchange.wait()  # (ep, local_experts), host
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
         rows = all_to_all(
@@ -173,6 +181,7 @@ class ExpertParallelMoEMLP(MoEMLP):
             backward_group=self.backward_group,
             log=self.comm_log,
             in_backward_flight=self._in_dispatch_backward,
+            baton=self._compute_baton,
         )
 
         # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
@@ -190,11 +199,12 @@ class ExpertParallelMoEMLP(MoEMLP):
             what="combine",
             backward_group=self.backward_group,
             log=self.comm_log,
+            baton=self._compute_baton,
         )
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
-        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group)
+        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group, baton=self.compute_baton)
         global_counts, global_tokens = stats[:-1], int(stats[-1])
         aux = self._aux_share(probs, global_counts, global_tokens)
         self.last_aux_loss = aux.detach()
@@ -203,6 +213,10 @@ class ExpertParallelMoEMLP(MoEMLP):
         if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
             out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
         return out.view(shape)
+
+    def _compute_baton(self) -> ComputeBaton | None:
+        # Read at each wait, not captured at forward: microbatch i's backward runs in the pair after its forward.
+        return self.compute_baton
 
     def _in_dispatch_backward(self) -> None:
         # Called by the dispatch backward while its exchange is in flight: fc1's and fc2's dgrad just parked

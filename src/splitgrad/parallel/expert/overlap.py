@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
+from .baton import ComputeBaton
 from .layer import ExpertParallelMoEMLP
 
 __all__ = ["OverlappedMoEStage", "overlapped_forward_backward", "set_wgrad_in_dispatch"]
@@ -39,6 +41,8 @@ def overlapped_forward_backward(
     *,
     timeout: float | None = 600.0,
     wgrad_in_dispatch: bool | None = True,
+    thread_stats: dict | None = None,
+    exclusive_compute: bool = False,
 ) -> Any:
     """Return ``module(x)`` while ``torch.autograd.backward(y, dy)`` runs concurrently.
 
@@ -56,6 +60,15 @@ def overlapped_forward_backward(
             whose older deferred work is still owed elsewhere: it would change the accumulation order); None
             leaves the layers' own settings (:func:`set_wgrad_in_dispatch`; needed when ``y`` comes from
             another module, e.g. another pipeline stage).
+        thread_stats: when given, filled with ``{"forward": {...}, "backward": {...}}``: each part's thread
+            ``start`` / ``end`` (``time.perf_counter()`` seconds), ``cpu`` (its thread's CPU seconds, load
+            independent), ``num_threads`` (``torch.get_num_threads()`` seen by that thread) and, where the OS
+            reports them, ``voluntary`` / ``involuntary`` context switches of that thread (diagnostics), plus
+            ``handoffs`` (waits that gave the baton up) and ``baton_waits`` (``(start, end)`` of each wait to take
+            it back, the other part computing) with ``exclusive_compute``.
+        exclusive_compute: only one part computes at a time; each gives the core to the other exactly while it
+            waits for an exchange (a :class:`~splitgrad.parallel.expert.baton.ComputeBaton`), instead of the OS
+            time-slicing two runnable threads. Same arithmetic, same gradients (bitwise).
 
     Returns:
         ``module(x)``.
@@ -84,16 +97,26 @@ def overlapped_forward_backward(
             )
     errors: list[BaseException] = []
 
+    baton = ComputeBaton(log=[] if thread_stats is not None else None) if exclusive_compute else None
+
     def backward() -> None:
+        if baton is not None:
+            baton.acquire()  # the forward part holds it until its first wait
+        probe = _ThreadProbe(thread_stats, "backward")
         try:
             with torch.profiler.record_function("splitgrad.overlap.backward"):
                 torch.autograd.backward(y, dy)
         except BaseException as exc:  # re-raised on the calling thread
             errors.append(exc)
+        finally:
+            probe.stop()
+            if baton is not None:
+                baton.release()
 
-    before = {name: m.wgrad_in_dispatch for name, m in layers.items()}
+    before = {name: (m.wgrad_in_dispatch, m.compute_baton) for name, m in layers.items()}
     for m in layers.values():
         m.wgrad_in_dispatch = m.wgrad_in_dispatch if wgrad_in_dispatch is None else wgrad_in_dispatch
+        m.compute_baton = baton
     # Under a splitgrad data-parallel wrapper the backward part's wgrad hooks fire on the backward thread while
     # the forward part issues its all-to-alls and aux-loss all-reduce (over the model's dp_group, often the
     # wrappers' group too). A bucket started from there would interleave with those collectives in a
@@ -104,15 +127,24 @@ def overlapped_forward_backward(
     sync_off = module.no_sync() if _is_data_parallel(module) else contextlib.nullcontext()
     thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
     with sync_off:
+        if baton is not None:
+            baton.acquire()
         thread.start()
+        probe = _ThreadProbe(thread_stats, "forward")
         try:
             with torch.profiler.record_function("splitgrad.overlap.forward"):
                 out = module(x)
         finally:
+            probe.stop()
+            if baton is not None:
+                baton.release()
             thread.join(timeout)
             if not thread.is_alive():  # a backward still running keeps reading the flags
                 for name, m in layers.items():
-                    m.wgrad_in_dispatch = before[name]
+                    m.wgrad_in_dispatch, m.compute_baton = before[name]
+    if thread_stats is not None and baton is not None:
+        thread_stats["handoffs"] = baton.handoffs
+        thread_stats["baton_waits"] = list(baton.log or [])
     if thread.is_alive():
         raise RuntimeError(
             f"overlapped_forward_backward: the backward part did not finish within {timeout} s"
@@ -122,6 +154,43 @@ def overlapped_forward_backward(
             0
         ]
     return out
+
+
+class _ThreadProbe:
+    """Per-thread wall span, CPU time and context switches of one part of the pair (``thread_stats``)."""
+
+    def __init__(self, stats: dict | None, part: str) -> None:
+        self.stats, self.part = stats, part
+        if stats is not None:
+            self.usage = _thread_usage()
+            self.start, self.cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self) -> None:
+        if self.stats is None:
+            return
+        end, cpu = time.perf_counter(), time.thread_time()
+        entry = {
+            "start": self.start,
+            "end": end,
+            "cpu": cpu - self.cpu,
+            "num_threads": torch.get_num_threads(),
+        }
+        usage = _thread_usage()
+        if usage is not None and self.usage is not None:
+            entry["voluntary"] = usage[0] - self.usage[0]
+            entry["involuntary"] = usage[1] - self.usage[1]
+        self.stats[self.part] = entry
+
+
+def _thread_usage() -> tuple[int, int] | None:
+    """(voluntary, involuntary) context switches of the calling thread, where the OS reports them (Linux)."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+    except (ImportError, AttributeError, OSError):
+        return None
+    return usage.ru_nvcsw, usage.ru_nivcsw
 
 
 def _is_data_parallel(module: nn.Module) -> bool:
@@ -135,12 +204,18 @@ class OverlappedMoEStage(nn.Module):
     overlapped ``F+B`` action, see ``docs/pipeline_runtime.md``). Shapes: as ``module``."""
 
     def __init__(
-        self, module: nn.Module, *, timeout: float | None = 600.0, wgrad_in_dispatch: bool | None = True
+        self,
+        module: nn.Module,
+        *,
+        timeout: float | None = 600.0,
+        wgrad_in_dispatch: bool | None = True,
+        exclusive_compute: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
         self.timeout = timeout
         self.wgrad_in_dispatch = wgrad_in_dispatch
+        self.exclusive_compute = exclusive_compute
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -148,7 +223,13 @@ class OverlappedMoEStage(nn.Module):
     def overlapped_forward_backward(self, x: Any, y: torch.Tensor, dy: torch.Tensor | None = None) -> Any:
         """``self(x)`` while ``torch.autograd.backward(y, dy)`` runs (see :func:`overlapped_forward_backward`)."""
         return overlapped_forward_backward(
-            self.module, x, y, dy, timeout=self.timeout, wgrad_in_dispatch=self.wgrad_in_dispatch
+            self.module,
+            x,
+            y,
+            dy,
+            timeout=self.timeout,
+            wgrad_in_dispatch=self.wgrad_in_dispatch,
+            exclusive_compute=self.exclusive_compute,
         )
 
 

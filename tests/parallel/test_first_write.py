@@ -63,8 +63,10 @@ def _model(delay: bool = False) -> torch.nn.Module:
     )
 
 
-def _ddp(group, delay: bool = False) -> DistributedDataParallel:
-    ddp = DistributedDataParallel(_model(delay), process_group=group, grad_reduce_dtype=None, bucket_size=40)
+def _ddp(group, delay: bool = False, *, lazy_zero: bool = True) -> DistributedDataParallel:
+    ddp = DistributedDataParallel(
+        _model(delay), process_group=group, grad_reduce_dtype=None, bucket_size=40, lazy_zero=lazy_zero
+    )
     ddp.grad_divisor = DIVISOR
     return ddp
 
@@ -100,7 +102,7 @@ def test_first_gradient_written_divided_once_and_bit_identical(group, delay):
     fast.finish_grad_sync()
     # Negative check: touching the buffer after zeroing (adding zero changes no value) forces the add path,
     # which must give the same bits with more writes.
-    slow = _ddp(group, delay)
+    slow = _ddp(group, delay, lazy_zero=False)  # lazy zeroing writes over a marked slice whatever it holds
     slow.zero_grad_buffer()
     slow.grad_buffers[0].data.add_(0.0)
     writes = _backward(slow, _x())
@@ -113,7 +115,7 @@ def test_first_gradient_written_divided_once_and_bit_identical(group, delay):
 
 
 def test_a_write_into_main_grad_is_kept(group):
-    ddp = _ddp(group)
+    ddp = _ddp(group, lazy_zero=False)  # lazy zeroing (the default) writes over it: test_lazy_zero_* below
     ddp.zero_grad_buffer()
     _backward(ddp, _x())
     ddp.finish_grad_sync()
@@ -168,3 +170,90 @@ def test_microbatches_under_no_sync_copy_then_add(group):
         ref.finish_grad_sync()
         parts.append([DIVISOR * g for g in _grads(ref)])
     _exact(got, [(a + b) / DIVISOR for a, b in zip(*parts)])
+
+
+# -- lazy zeroing (DDPConfig.lazy_zero, the default) ----------------------------------------------------------
+def _stale_step(ddp: DistributedDataParallel) -> None:
+    """A finished step, so that the buffer holds nonzero values when the next one zeroes it."""
+    ddp.zero_grad_buffer()
+    _backward(ddp, _x(7))
+    ddp.finish_grad_sync()
+
+
+def _reference(x: torch.Tensor, delay: bool = False) -> list[torch.Tensor]:
+    """Plain autograd gradients of the same loss (float64), divided like the wrapper's."""
+    model = _model(delay)
+    model(x).square().sum().backward()
+    return [p.grad / DIVISOR for p in model.parameters()]
+
+
+def test_lazy_zero_writes_nothing_when_zeroing_and_gives_the_same_bits(group):
+    lazy, eager = _ddp(group), _ddp(group, lazy_zero=False)
+    for ddp in (lazy, eager):
+        _stale_step(ddp)
+    with BufferWrites(lazy.grad_buffers[0].data) as lazy_zeroing:
+        lazy.zero_grad_buffer()
+    with BufferWrites(eager.grad_buffers[0].data) as eager_zeroing:
+        eager.zero_grad_buffer()
+    assert lazy_zeroing.counts == {} and eager_zeroing.counts["zero_"] >= 1, (lazy_zeroing, eager_zeroing)
+    # Not trivially passing: the lazily "zeroed" buffer still holds the last step's values until written.
+    assert lazy.grad_buffers[0].data.abs().sum() > 0
+    assert _backward(lazy, _x()) == {"div": 4}
+    _backward(eager, _x())
+    for ddp in (lazy, eager):
+        ddp.finish_grad_sync()
+    _exact(_grads(lazy), _grads(eager))
+    torch.testing.assert_close(_grads(lazy), _reference(_x()), rtol=1e-12, atol=1e-12)
+
+
+def test_lazy_zero_zeroes_an_unused_parameter_when_its_bucket_is_reduced(group):
+    ddp = DistributedDataParallel(
+        _model(False),
+        process_group=group,
+        grad_reduce_dtype=None,
+        bucket_size=40,
+        allow_unused_parameters=True,
+    )
+    ddp.grad_divisor = DIVISOR
+    _stale_step(ddp)
+    first = ddp.module[0]
+    ddp.zero_grad_buffer()
+    stale = first.weight.main_grad.clone()
+    assert stale.abs().sum() > 0  # marked zero, not zeroed (the negative check of the assertion below)
+    x = torch.randn(5, 8, dtype=F64)
+    (ddp.module[2](x).square().sum()).backward()  # only the last layer: the first gets no gradient
+    ddp.finish_grad_sync()
+    assert torch.count_nonzero(first.weight.main_grad) == 0 and torch.count_nonzero(first.bias.main_grad) == 0
+    last = torch.nn.Linear(8, 3, dtype=F64)
+    last.load_state_dict(ddp.module[2].state_dict())
+    last(x).square().sum().backward()
+    torch.testing.assert_close(ddp.module[2].weight.main_grad, last.weight.grad / DIVISOR, rtol=0, atol=0)
+
+
+def _fuse(model: torch.nn.Module, on: bool) -> None:
+    for layer in (model[0], model[2]):
+        layer.fuse_wgrad_accumulation = on
+        layer.refresh_skip_backward_post_hook()
+
+
+@pytest.mark.parametrize("switch", ["fused", "fused_after_zeroing"])
+def test_lazy_zero_zeroes_what_a_layer_writes_itself(group, switch):
+    model = _model(False)
+    if switch == "fused":
+        _fuse(model, True)
+    ddp = DistributedDataParallel(model, process_group=group, grad_reduce_dtype=None, bucket_size=40)
+    ddp.grad_divisor = DIVISOR
+    for _ in range(2):  # the second step starts from a buffer holding the first one's averages
+        ddp.zero_grad_buffer()
+        if switch == "fused_after_zeroing":  # the slices were only marked zero: the forward zeroes them
+            _fuse(ddp.module, True)
+        ddp(_x()).square().sum().backward()
+        ddp.finish_grad_sync()
+        if switch == "fused_after_zeroing":
+            _fuse(ddp.module, False)
+        torch.testing.assert_close(_grads(ddp), _reference(_x()), rtol=1e-12, atol=1e-12)
+    # Negative check: the same steps with the zeroing skipped accumulate, and the comparison catches it.
+    _backward(ddp, _x())
+    ddp.finish_grad_sync()
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(_grads(ddp), _reference(_x()), rtol=1e-12, atol=1e-12)

@@ -127,6 +127,8 @@ class DistributedDataParallel(GradSync, nn.Module):
         self._counts = StepCounts(bucket_of, len(self._buckets))
         #: Per parameter: its slice already holds this step's gradient divided by grad_divisor.
         self._predivided = [False] * len(self._params)
+        #: Per parameter: its slice counts as zero but was not zeroed yet (see GradSync.zero_grad_buffer).
+        self._pending_zero = [False] * len(self._params)
         self._lock = threading.RLock()
         self._sync = True
         self._next_bucket = 0
@@ -207,6 +209,7 @@ class DistributedDataParallel(GradSync, nn.Module):
         """
         if torch.is_grad_enabled():
             skip = [bool(getattr(p, "skip_backward_post_hook", False)) for p in self._params]
+            self._zero_pending_written_by_layers(skip)
             counts = count_contributions(outputs, self._index_of, skip)
             if counts:
                 with self._lock:

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import splitgrad
-from splitgrad.parallel import DistributedDataParallel
+from splitgrad.parallel import DDPConfig, DistributedDataParallel
 from tests.helpers import one_rank_group
 
 F64 = torch.float64
@@ -115,7 +115,7 @@ def test_first_gradient_written_divided_once_and_bit_identical(group, delay):
 
 
 def test_a_write_into_main_grad_is_kept(group):
-    ddp = _ddp(group, lazy_zero=False)  # lazy zeroing (the default) writes over it: test_lazy_zero_* below
+    ddp = _ddp(group, lazy_zero=False)  # lazy zeroing (opt-in) writes over it: test_lazy_zero_* below
     ddp.zero_grad_buffer()
     _backward(ddp, _x())
     ddp.finish_grad_sync()
@@ -172,7 +172,7 @@ def test_microbatches_under_no_sync_copy_then_add(group):
     _exact(got, [(a + b) / DIVISOR for a, b in zip(*parts)])
 
 
-# -- lazy zeroing (DDPConfig.lazy_zero, the default) ----------------------------------------------------------
+# -- lazy zeroing (DDPConfig.lazy_zero, opt-in) ---------------------------------------------------------------
 def _stale_step(ddp: DistributedDataParallel) -> None:
     """A finished step, so that the buffer holds nonzero values when the next one zeroes it."""
     ddp.zero_grad_buffer()
@@ -185,6 +185,11 @@ def _reference(x: torch.Tensor, delay: bool = False) -> list[torch.Tensor]:
     model = _model(delay)
     model(x).square().sum().backward()
     return [p.grad / DIVISOR for p in model.parameters()]
+
+
+def test_lazy_zero_is_opt_in():
+    # A write into a lazily zeroed main_grad before its first gradient is lost, so the default zeroes at once.
+    assert DDPConfig().lazy_zero is False
 
 
 def test_lazy_zero_writes_nothing_when_zeroing_and_gives_the_same_bits(group):
@@ -213,6 +218,7 @@ def test_lazy_zero_zeroes_an_unused_parameter_when_its_bucket_is_reduced(group):
         grad_reduce_dtype=None,
         bucket_size=40,
         allow_unused_parameters=True,
+        lazy_zero=True,
     )
     ddp.grad_divisor = DIVISOR
     _stale_step(ddp)

@@ -53,12 +53,13 @@ class DDPConfig:
     """After ``finish_grad_sync()``, set every parameter's ``.grad`` to its averaged ``main_grad`` (a view when
     the dtypes match, else a cast copy), so any ``torch.optim`` optimizer consumes it unchanged."""
 
-    lazy_zero: bool = True
-    """``zero_grad_buffer()`` (and the zeroing after ``optimizer.zero_grad()``) zeroes at once only the
+    lazy_zero: bool = False
+    """Opt-in. ``zero_grad_buffer()`` (and the zeroing after ``optimizer.zero_grad()``) zeroes at once only the
     ``main_grad`` of parameters whose layer writes into it itself; the others are written over by their first
     gradient, or zeroed when their bucket is reduced (torch DDP zeroes nothing: a new ``.grad`` each step).
-    A write into such a ``main_grad`` between zeroing and that parameter's first gradient is then lost;
-    False: zero every buffer at once (such writes are added to, at one more pass over memory per step)."""
+    A write into such a ``main_grad`` between zeroing and that parameter's first gradient is then lost, which
+    is why it is off by default; False: zero every buffer at once (such writes are added to, at one more pass
+    over memory per step)."""
 
     broadcast_at_init: bool = True
     """Broadcast parameters and buffers from the group's rank 0 when wrapping (torch DDP does the same)."""

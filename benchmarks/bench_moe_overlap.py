@@ -122,7 +122,10 @@ def _expert_wgrad(model: MoEGPT) -> None:
         run_expert_wgrad([layer.fc1, layer.fc2])
 
 
-def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
+def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> tuple:
+    """``(model, fwd_group, ids, comm_log, wgrad_log)``: the EP MoE GPT both MoE scripts time (forward and
+    backward exchanges on separate groups), two microbatches ``(batch, seq)`` of this rank's ids, and the lists
+    its MoE layers log exchanges / expert W into."""
     torch.manual_seed(0)
     fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
     config = MoEConfig(
@@ -133,14 +136,19 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
     model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
     gen = torch.Generator().manual_seed(rank)
     ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
-    timings: dict[str, list[float]] = {
-        "sequential": [], "overlapped": [], "comm alone": [], "sequential cpu": [], "overlapped cpu": [],
-        "covered by order": [],
-    }  # fmt: skip
     comm_log: list = []
     wgrad_log: list = []
     for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
         layer.comm_log, layer.wgrad_log = comm_log, wgrad_log
+    return model, fwd, ids, comm_log, wgrad_log
+
+
+def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
+    model, fwd, ids, comm_log, wgrad_log = build_pair_model(rank, world, args, delayed)
+    timings: dict[str, list[float]] = {
+        "sequential": [], "overlapped": [], "comm alone": [], "sequential cpu": [], "overlapped cpu": [],
+        "covered by order": [],
+    }  # fmt: skip
     for sample in range(args.warmup + args.samples):
         for variant in ("sequential", "overlapped"):
             loss0 = lm_loss(model(ids[0]), ids[0])

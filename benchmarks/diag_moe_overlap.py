@@ -26,16 +26,15 @@ import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 import splitgrad
-from splitgrad.models import MoEConfig, lm_loss
-from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, overlapped_forward_backward
+from splitgrad.models import lm_loss
+from splitgrad.parallel.expert import overlapped_forward_backward
 from splitgrad.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_overlap import _expert_wgrad, _measure, _minus
+from bench_moe_overlap import _expert_wgrad, _measure, _minus, build_pair_model
 
 
 def _cross_rank(mine: list, peer: list) -> tuple[int, float, float]:
@@ -63,20 +62,7 @@ def _cross_rank(mine: list, peer: list) -> tuple[int, float, float]:
 def _mode(
     rank: int, world: int, args: argparse.Namespace, delayed: bool, interval: float, exclusive: bool
 ) -> dict[str, float]:
-    torch.manual_seed(0)
-    fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
-    config = MoEConfig(
-        vocab_size=256, seq_len=args.seq, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
-        ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
-        delay_wgrad_compute=delayed,
-    )  # fmt: skip
-    model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
-    gen = torch.Generator().manual_seed(rank)
-    ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
-    comm_log: list = []
-    wgrad_log: list = []
-    for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
-        layer.comm_log, layer.wgrad_log = comm_log, wgrad_log
+    model, fwd, ids, comm_log, wgrad_log = build_pair_model(rank, world, args, delayed)
     rows: dict[str, list[float]] = {}
     old = sys.getswitchinterval()
     for sample in range(args.warmup + args.samples):

@@ -26,6 +26,7 @@ from ..core import SplitModule, split_backward
 from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
 from ..functional.tp_config import TensorParallelConfig
 from ..functional.wgrad import accumulate_grad, bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._tp_wgrad_input import WgradInput
 
 __all__ = ["SP_WGRAD_INPUTS", "hand_over_tp_wgrad"]
 
@@ -118,17 +119,7 @@ def _column_backward(ctx: Any, owner: Any, x: torch.Tensor, weight: torch.Tensor
     want_dx = ctx.needs_input_grad[0]
     want_w = ctx.needs_input_grad[1:3]
     # Gather the input for W now (overlapping the dgrad GEMM) unless a deferred task will regather it at W.
-    regather = (
-        cfg.sequence_parallel
-        and owner.sp_wgrad_input == "regather"
-        and ctx.split
-        and owner.need_backward_dw()
-    )
-    gather: PendingCollective | None = None
-    if cfg.sequence_parallel and any(want_w) and not regather:
-        gather = all_gather_dim0(x, cfg, async_op=True)
-        if not overlap:
-            gather.wait()
+    w_input = WgradInput(owner, ctx, x, any(want_w))
     reduction: PendingCollective | None = None
     if want_dx:
         dx_full = dy2.mm(weight)
@@ -140,18 +131,7 @@ def _column_backward(ctx: Any, owner: Any, x: torch.Tensor, weight: torch.Tensor
         if not overlap:
             reduction.wait()
 
-    if gather is not None:
-        x_full = gather.wait()
-        saved_x = x_full
-    elif regather:
-        x_full, saved_x = None, x
-    else:
-        x_full = saved_x = x
-
-    def x_w() -> torch.Tensor:
-        full = x_full if x_full is not None else all_gather_dim0(x, cfg).wait()
-        return full.reshape(-1, full.shape[-1])
-
+    x_w, saved_x = w_input.resolve()
     dw, db = hand_over_tp_wgrad(owner, ctx, dy2, x_w, dy2, want_w, saved=(dy2, saved_x))
     dx = reduction.wait() if reduction is not None else None
     return dx, dw, db, None

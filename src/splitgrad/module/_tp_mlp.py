@@ -20,6 +20,7 @@ from ..functional.activations import activation_backward, activation_forward
 from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
 from ..functional.tp_config import TensorParallelConfig
 from ..functional.wgrad import accumulate_grad, bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._tp_wgrad_input import WgradInput
 
 __all__: list[str] = []  # the Function is private to LayerNormMLP
 
@@ -56,18 +57,8 @@ class _TPMLPFunction(torch.autograd.Function):
         dy_b = dy.reshape(-1, dy.shape[-1])
         dy_full = all_gather_dim0(dy, cfg).wait() if cfg.sequence_parallel else dy
         dy2 = dy_full.reshape(-1, dy_full.shape[-1])
-        regather = (
-            cfg.sequence_parallel
-            and owner.sp_wgrad_input == "regather"
-            and ctx.split
-            and owner.need_backward_dw()
-        )
         # fc1's wgrad needs the gathered input: gather it while the dgrad GEMMs run (unless W regathers it).
-        gather: PendingCollective | None = None
-        if cfg.sequence_parallel and need[1] and not regather:
-            gather = all_gather_dim0(ln_out, cfg, async_op=True)
-            if not owner.tp_comm_overlap:
-                gather.wait()
+        w_input = WgradInput(owner, ctx, ln_out, need[1])
         dh = None
         if need[0] or need[1] or need[2]:
             dh = activation_backward(dy2.mm(fc2_w), h, act_out, extra, ctx.activation)
@@ -79,16 +70,7 @@ class _TPMLPFunction(torch.autograd.Function):
             )
             if not owner.tp_comm_overlap:
                 reduction.wait()
-        if gather is not None:
-            x_full = saved_x = gather.wait()
-        elif regather:
-            x_full, saved_x = None, ln_out
-        else:
-            x_full = saved_x = ln_out
-
-        def x1() -> torch.Tensor:
-            full = x_full if x_full is not None else all_gather_dim0(ln_out, cfg).wait()
-            return full.reshape(-1, full.shape[-1])
+        x1, saved_x = w_input.resolve()
 
         dh_task = dh if (need[1] or need[2]) else None  # a frozen fc1 keeps nothing alive until W
 

@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from .tp_config import TensorParallelConfig
 
-__all__ = ["PendingCollective", "all_gather_dim0", "all_reduce", "reduce_scatter_dim0"]
+__all__ = [
+    "PendingCollective",
+    "all_gather_dim0",
+    "all_reduce",
+    "check_dim0_divisible",
+    "reduce_scatter_dim0",
+]
 
 # torch >= 2.13 names the single-tensor collectives *_single; older releases only have *_into_tensor / *_tensor.
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,6 +52,15 @@ class PendingCollective:
         return self._result
 
 
+def check_dim0_divisible(x: torch.Tensor, cfg: TensorParallelConfig, what: str) -> None:
+    """``ValueError`` ("{what} divisible by the tensor-parallel size ...") unless ``x: (s, ...)`` splits into
+    ``cfg.size`` equal dim-0 blocks."""
+    if x.dim() == 0 or x.shape[0] % cfg.size:
+        raise ValueError(
+            f"{what} divisible by the tensor-parallel size {cfg.size}, got shape {tuple(x.shape)}"
+        )
+
+
 def all_gather_dim0(
     x: torch.Tensor, cfg: TensorParallelConfig, *, async_op: bool = False
 ) -> PendingCollective:
@@ -66,11 +81,7 @@ def reduce_scatter_dim0(
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
-    if x.dim() == 0 or x.shape[0] % cfg.size:
-        raise ValueError(
-            f"sequence-parallel reduce-scatter needs dim 0 divisible by the tensor-parallel size {cfg.size}, "
-            f"got shape {tuple(x.shape)}"
-        )
+    check_dim0_divisible(x, cfg, "sequence-parallel reduce-scatter needs dim 0")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // cfg.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _SCATTER(out, x, group=cfg.group, async_op=async_op)

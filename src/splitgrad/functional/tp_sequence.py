@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .tp_comm import all_gather_dim0, reduce_scatter_dim0
+from .tp_comm import all_gather_dim0, check_dim0_divisible, reduce_scatter_dim0
 from .tp_config import TensorParallelConfig
 
 __all__ = ["gather_sequence", "sequence_block", "split_sequence"]
@@ -29,11 +29,7 @@ def sequence_block(x: torch.Tensor, cfg: TensorParallelConfig) -> torch.Tensor:
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
-    if x.dim() == 0 or x.shape[0] % cfg.size:
-        raise ValueError(
-            f"sequence parallelism needs dim 0 (the sequence) divisible by the tensor-parallel size {cfg.size}, "
-            f"got shape {tuple(x.shape)}"
-        )
+    check_dim0_divisible(x, cfg, "sequence parallelism needs dim 0 (the sequence)")
     n = x.shape[0] // cfg.size
     return x[cfg.rank * n : (cfg.rank + 1) * n]
 

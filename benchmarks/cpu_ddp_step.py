@@ -10,7 +10,8 @@ the same rounds. Each round runs every variant once (rotated order); the figure 
 Variants: ``nn.Linear`` (plain torch model, zero_grad + forward + backward), ``splitgrad.Linear`` (same, no
 DDP), ``torch DDP`` (inside ``no_sync``), ``splitgrad DDP immediate`` / ``immediate+fused`` (inside
 ``no_sync``, ``zero_grad_buffer`` included) — the ``compute`` column of ``bench_ddp.py`` — and both again
-with ``lazy_zero=False`` (every buffer zeroed at once: the behaviour before lazy zeroing).
+with ``lazy_zero=False`` (every buffer zeroed at once at ``zero_grad_buffer``; the default, ``lazy_zero=True``,
+writes each slice over with its first gradient instead).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def variants(width: int, layers: int, tokens: int) -> dict[str, Callable[[], Non
     theirs = nn.parallel.DistributedDataParallel(_model(width, layers, split=True))
     ours = DistributedDataParallel(_model(width, layers, split=True))
     fused = DistributedDataParallel(_model(width, layers, split=True, fused=True))
-    # lazy_zero=False: every buffer zeroed at once, as before lazy zeroing (the paired "before").
+    # lazy_zero=False: every buffer zeroed at once (the paired "before" of the default lazy zeroing).
     eager = DistributedDataParallel(_model(width, layers, split=True), lazy_zero=False)
     eager_fused = DistributedDataParallel(_model(width, layers, split=True, fused=True), lazy_zero=False)
 

@@ -187,9 +187,57 @@ def _reference(x: torch.Tensor, delay: bool = False) -> list[torch.Tensor]:
     return [p.grad / DIVISOR for p in model.parameters()]
 
 
-def test_lazy_zero_is_opt_in():
-    # A write into a lazily zeroed main_grad before its first gradient is lost, so the default zeroes at once.
-    assert DDPConfig().lazy_zero is False
+def test_lazy_zero_is_the_default():
+    assert DDPConfig().lazy_zero is True
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_a_write_between_zeroing_and_the_forward(group, lazy):
+    # Eager zeroing adds the write to zeros (it counts); lazy zeroing would add it to the last step's values,
+    # so the next forward refuses it instead of training on a wrong gradient.
+    ddp = _ddp(group, lazy_zero=lazy)
+    _stale_step(ddp)
+    ddp.zero_grad_buffer()
+    first = ddp.module[0]
+    first.weight.main_grad.add_(1.0)
+    if lazy:
+        with pytest.raises(RuntimeError, match=r"between zero_grad_buffer\(\) and the forward.*lazy_zero=False"):
+            ddp(_x())
+        return
+    _backward(ddp, _x())
+    ddp.finish_grad_sync()
+    expected = _reference(_x())
+    expected[0] = expected[0] + 1.0 / DIVISOR  # the write is averaged with the gradient it joined
+    torch.testing.assert_close(_grads(ddp), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_lazy_zero_watch_ends_at_the_forward(group):
+    # Only the window before the forward is watched: the step's own writes after it raise nothing.
+    ddp = _ddp(group)
+    for step in range(3):
+        ddp.zero_grad_buffer()
+        _backward(ddp, _x(step))
+        ddp.finish_grad_sync()
+        torch.testing.assert_close(_grads(ddp), _reference(_x(step)), rtol=1e-12, atol=1e-12)
+
+
+def test_lazy_zero_refuses_an_unreported_write_into_a_marked_slice(group):
+    # A layer that adds into main_grad, flags grad_added_to_main_grad and reports nothing (no hook, no .grad):
+    # the slice still holds the last step's values, so its bucket refuses to reduce them.
+    ddp = DistributedDataParallel(
+        _model(False), process_group=group, grad_reduce_dtype=None, bucket_size=40, allow_unused_parameters=True
+    )
+    _stale_step(ddp)
+    ddp.zero_grad_buffer()
+    x = torch.randn(5, 8, dtype=F64)
+    out = ddp(torch.randn(5, 4, dtype=F64))
+    del out
+    first = ddp.module[0].weight
+    first.main_grad.add_(1.0)
+    first.grad_added_to_main_grad = True
+    ddp.module[2](x).square().sum().backward()
+    with pytest.raises(RuntimeError, match=r"without reporting it.*lazy_zero=False"):
+        ddp.finish_grad_sync()
 
 
 def test_lazy_zero_writes_nothing_when_zeroing_and_gives_the_same_bits(group):

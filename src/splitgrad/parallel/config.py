@@ -53,13 +53,15 @@ class DDPConfig:
     """After ``finish_grad_sync()``, set every parameter's ``.grad`` to its averaged ``main_grad`` (a view when
     the dtypes match, else a cast copy), so any ``torch.optim`` optimizer consumes it unchanged."""
 
-    lazy_zero: bool = False
-    """Opt-in. ``zero_grad_buffer()`` (and the zeroing after ``optimizer.zero_grad()``) zeroes at once only the
-    ``main_grad`` of parameters whose layer writes into it itself; the others are written over by their first
-    gradient, or zeroed when their bucket is reduced (torch DDP zeroes nothing: a new ``.grad`` each step).
-    A write into such a ``main_grad`` between zeroing and that parameter's first gradient is then lost, which
-    is why it is off by default; False: zero every buffer at once (such writes are added to, at one more pass
-    over memory per step)."""
+    lazy_zero: bool = True
+    """``zero_grad_buffer()`` (and the zeroing after ``optimizer.zero_grad()``) zeroes at once only the
+    ``main_grad`` of parameters whose layer writes into it itself; the others are *marked* zero and written over
+    by their first gradient, or zeroed when their bucket is reduced: no pass over the buffers per step (torch DDP
+    zeroes nothing either: a new ``.grad`` each step). Until a slice's first gradient of the step it still holds
+    the last step's values. A write into such a ``main_grad`` before that would land on them: one made between
+    ``zero_grad_buffer()`` and the forward, or by a layer announcing it (``grad_added_to_main_grad``), raises a
+    ``RuntimeError``; one made between the forward and the gradient without announcing is not detected. False:
+    zero every buffer at once (such writes are added to zeros, at one more pass over memory per step)."""
 
     broadcast_at_init: bool = True
     """Broadcast parameters and buffers from the group's rank 0 when wrapping (torch DDP does the same)."""

@@ -129,6 +129,8 @@ class DistributedDataParallel(GradSync, nn.Module):
         self._predivided = [False] * len(self._params)
         #: Per parameter: its slice counts as zero but was not zeroed yet (see GradSync.zero_grad_buffer).
         self._pending_zero = [False] * len(self._params)
+        #: Buffer versions at a lazy zero_grad_buffer(), checked (once) by the next forward; None: not watching.
+        self._stale_watch: list[int] | None = None
         self._lock = threading.RLock()
         self._sync = True
         self._next_bucket = 0
@@ -198,6 +200,8 @@ class DistributedDataParallel(GradSync, nn.Module):
                 f"(buckets {self.launch_order} launched); call finish_grad_sync() before the next step, or run "
                 "all but the last microbatch inside no_sync()"
             )
+        if self._stale_watch is not None:
+            self._check_stale_watch()
         if self._grads_exposed:
             self._take_back_grads()
 

@@ -88,6 +88,28 @@ class GradSync:
             self._start_new_step()
             for buffer in self._buffers:
                 buffer.mark_zero()
+            # Watched until the next forward: a write into a slice only marked zero would land on stale values.
+            self._stale_watch = [b.data._version for b in self._buffers] if any(self._pending_zero) else None
+
+    def _check_stale_watch(self) -> None:
+        """Raise when a ``main_grad`` was written between a lazy ``zero_grad_buffer()`` and this forward."""
+        watch, self._stale_watch = self._stale_watch, None
+        if watch is None:
+            return
+        for buffer, version in zip(self._buffers, watch):
+            if buffer.data._version != version:
+                marked = [
+                    name
+                    for i, name in enumerate(self._names)
+                    if self._pending_zero[i] and self._buckets[self._counts.bucket_of[i]].buffer is buffer
+                ]
+                raise RuntimeError(
+                    "DistributedDataParallel: a main_grad was written between zero_grad_buffer() and the forward, "
+                    f"while lazy_zero=True kept the last step's values in the {buffer.data.dtype} buffer of "
+                    f"{marked[:4]}{' …' if len(marked) > 4 else ''} (only marked zero); the write landed on them. "
+                    "Write into main_grad after the parameter's gradient arrived, or build the wrapper with "
+                    "lazy_zero=False (zero every buffer at once)"
+                )
 
     def _zero_later(self, idx: int) -> None:
         """Zero parameter ``idx``'s slice now if a layer may write into it, else mark it zero (see above)."""
@@ -223,6 +245,13 @@ class GradSync:
         for p in bucket.params:
             idx = self._index_of[id(p)]
             if self._pending_zero[idx]:
+                if p.grad_added_to_main_grad:
+                    raise RuntimeError(
+                        f"DistributedDataParallel: a layer added the gradient of {self._names[idx]!r} into its "
+                        "main_grad without reporting it (no wgrad hook, no .grad), while lazy_zero=True kept "
+                        "the last step's values there; announce it with skip_backward_post_hook before the "
+                        "forward, or build the wrapper with lazy_zero=False"
+                    )
                 self._materialize_zero(idx)
         untouched = bucket.buffer.untouched
         with torch.profiler.record_function(f"splitgrad.ddp.reduce:bucket{bucket.index}"):

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..core.steps import Steps, child_steps, run_steps
 from .gpt import GPT
 
 __all__ = ["StageModule", "split_into_stages", "stage_layer_counts"]
@@ -75,6 +76,10 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: ids ``(batch, seq)`` int64; others: ``(batch, seq, hidden)``. Returns ``(batch, seq,
         hidden)``, or logits ``(batch, seq, vocab)`` on the last stage."""
+        return run_steps(self.forward_steps(x))
+
+    def forward_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps: each block's (see :mod:`splitgrad.core.steps`)."""
         if self.embed is not None:
             x = self.embed(x)
         elif x.dim() != 3 or x.shape[-1] != self.hidden_size:
@@ -83,7 +88,7 @@ class StageModule(nn.Module):
                 f"{tuple(x.shape)}"
             )
         for block in self.blocks.values():
-            x = block(x)
+            x = yield from child_steps(block, x)
         if self.head is not None:
             # A tied head only exists when one stage holds everything (split_into_stages enforces it).
             x = self.head(x, self.embed.wte.weight if self.tied else None)

@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...core.steps import Steps, run_steps
 from ...models.config import MoEConfig
 from ...models.gpt import Norm, split_kwargs
 from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
-from .all_to_all import all_to_all, start_count_exchange, wait_work
+from .all_to_all import await_exchange, finish_all_to_all, start_all_to_all, start_count_exchange, wait_work
 from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
 
@@ -149,6 +150,16 @@ class ExpertParallelMoEMLP(MoEMLP):
         return [getattr(self.fc2, f"weight{j}") for j in range(self.local_experts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_steps(self.forward_steps(x))
+
+    def forward_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps (see :mod:`splitgrad.core.steps`): yields right after issuing the dispatch
+        and right after issuing the combine all-to-all; returns the output ``(batch, seq, hidden)``.
+
+        The token-count exchange and the aux-loss all-reduce are no step boundaries: each is started early and
+        waited late inside a step. A single-thread driver runs other work at each yield (the other microbatch's
+        backward) while the exchange is in flight.
+        """
         shape = x.shape
         h = self.norm(x.reshape(-1, shape[-1]))
         tokens, k = h.shape[0], self.top_k
@@ -170,17 +181,21 @@ class ExpertParallelMoEMLP(MoEMLP):
         stats = torch.cat([counts, counts.new_tensor([tokens])])
         stats_work = dist.all_reduce(stats, group=self.dp_group, async_op=True)
 
-        received_counts = count_exchange.wait()  # (ep, local_experts), host
+        try:
+            received_counts = count_exchange.wait()  # (ep, local_experts), host
+        except BaseException:
+            stats_work.wait()  # never leave a collective unwaited
+            raise
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
-        rows = all_to_all(
+        dispatch = start_all_to_all(
+            sent, out_splits, in_splits, self.ep_group, what="dispatch", log=self.comm_log
+        )
+        yield from await_exchange(dispatch, stats_work)
+        rows = finish_all_to_all(
             sent,
-            out_splits,
-            in_splits,
-            self.ep_group,
-            what="dispatch",
+            dispatch,
             backward_group=self.backward_group,
-            log=self.comm_log,
             in_backward_flight=self._in_dispatch_backward,
             baton=self._compute_baton,
         )
@@ -192,16 +207,10 @@ class ExpertParallelMoEMLP(MoEMLP):
         m_splits = received_counts.sum(0).tolist()
         y = self.fc1(rows.index_select(0, regroup), m_splits)
         y = self.fc2(moe_activation(y, self.activation), m_splits)
-        y = all_to_all(
-            y.index_select(0, _inverse(regroup)),
-            in_splits,
-            out_splits,
-            self.ep_group,
-            what="combine",
-            backward_group=self.backward_group,
-            log=self.comm_log,
-            baton=self._compute_baton,
-        )
+        y = y.index_select(0, _inverse(regroup))
+        combine = start_all_to_all(y, in_splits, out_splits, self.ep_group, what="combine", log=self.comm_log)
+        yield from await_exchange(combine, stats_work)
+        y = finish_all_to_all(y, combine, backward_group=self.backward_group, baton=self._compute_baton)
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 

@@ -45,6 +45,7 @@ def wait_work(
     group: dist.ProcessGroup,
     timeout: float | None = None,
     baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> None:
     """Wait for ``work``; raise a ``RuntimeError`` naming ``what`` and this rank when it fails or times out.
 
@@ -54,7 +55,10 @@ def wait_work(
         group: its process group (for the rank in the message).
         timeout: seconds; None waits as long as the group's own timeout.
         baton: the overlapped pair's :class:`ComputeBaton`, released for the wait if this thread holds it.
+        wait_log: when given, appends ``(what, start, end)`` of the wait itself (``time.perf_counter()``
+            seconds): the time this thread was blocked, not the time the collective was in flight.
     """
+    start = time.perf_counter()
     try:
         with baton.released() if baton is not None else contextlib.nullcontext():
             if timeout is None:
@@ -67,6 +71,9 @@ def wait_work(
             f"{dist.get_world_size(group)} ({exc}); did every rank of the expert-parallel group run the same "
             "MoE layers in the same order?"
         ) from exc
+    finally:
+        if wait_log is not None:
+            wait_log.append((what, start, time.perf_counter()))
 
 
 def exchange_counts(
@@ -101,14 +108,16 @@ class CountExchange:
         group: dist.ProcessGroup,
         log: list | None,
         baton: ComputeBaton | None = None,
+        wait_log: list | None = None,
     ) -> None:
         self._received, self._work, self._group, self._log, self._baton = received, work, group, log, baton
+        self._wait_log = wait_log
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Wait for the exchange; return ``(ep_size, local_experts)`` int64 on the host (see
         :func:`exchange_counts`)."""
         start = time.perf_counter()
-        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton)
+        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton, self._wait_log)
         if (
             self._log is not None
         ):  # (name, wait start, end): only the blocked part (the permutation ran before)
@@ -117,7 +126,11 @@ class CountExchange:
 
 
 def start_count_exchange(
-    counts: torch.Tensor, group: dist.ProcessGroup, log: list | None = None, baton: ComputeBaton | None = None
+    counts: torch.Tensor,
+    group: dist.ProcessGroup,
+    log: list | None = None,
+    baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> CountExchange:
     """Start :func:`exchange_counts` asynchronously; wait with the returned handle's ``wait()``.
 
@@ -127,6 +140,7 @@ def start_count_exchange(
         log: when given, the wait appends ``("dispatch counts", start, end)`` (``time.perf_counter()`` seconds,
             from entering the wait).
         baton: released for the wait (see :func:`wait_work`).
+        wait_log: see :func:`wait_work`.
 
     Returns:
         The exchange in flight.
@@ -139,7 +153,7 @@ def start_count_exchange(
         )
     received = torch.empty_like(counts)
     work = dist.all_to_all_single(received, counts.contiguous(), group=group, async_op=True)
-    return CountExchange(received, work, group, log, baton)
+    return CountExchange(received, work, group, log, baton, wait_log)
 
 
 class PendingExchange:
@@ -159,9 +173,10 @@ class PendingExchange:
         group: dist.ProcessGroup,
         what: str,
         log: list | None,
+        wait_log: list | None = None,
     ) -> None:
         self.out, self._sent, self._work, self.splits = out, sent, work, splits
-        self.group, self.what, self.log = group, what, log
+        self.group, self.what, self.log, self.wait_log = group, what, log, wait_log
         self.start = time.perf_counter()
         self.done = False
 
@@ -169,7 +184,7 @@ class PendingExchange:
         """Wait for the exchange (once) and log it; returns ``out``."""
         if not self.done:
             self.done = True
-            wait_work(self._work, self.what, self.group, baton=baton)
+            wait_work(self._work, self.what, self.group, baton=baton, wait_log=self.wait_log)
             self._sent = None  # the send buffer must live until the exchange completed
             if self.log is not None:  # (name, issued, waited) in perf_counter seconds, for timelines
                 self.log.append((self.what, self.start, time.perf_counter()))
@@ -192,6 +207,7 @@ def start_all_to_all(
     *,
     what: str = "all-to-all",
     log: list | None = None,
+    wait_log: list | None = None,
 ) -> PendingExchange:
     """Issue the forward exchange of :func:`all_to_all` (no autograd, no wait).
 
@@ -199,6 +215,8 @@ def start_all_to_all(
         x: ``(sum(in_splits), *rest)``; row block ``r`` goes to rank ``r``. It must stay unmodified until
             :func:`finish_all_to_all`.
         out_splits, in_splits, group, what, log: as :func:`all_to_all`.
+        wait_log: when given, every wait of this exchange (forward and backward) appends ``(name, start, end)``
+            of the blocked time (see :func:`wait_work`).
 
     Returns:
         The exchange in flight.
@@ -212,7 +230,7 @@ def start_all_to_all(
     sent = x.detach().contiguous()
     out = sent.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, sent, list(out_splits), list(in_splits), group=group, async_op=True)
-    return PendingExchange(out, sent, work, (list(out_splits), list(in_splits)), group, what, log)
+    return PendingExchange(out, sent, work, (list(out_splits), list(in_splits)), group, what, log, wait_log)
 
 
 def await_exchange(pending: PendingExchange, *also: dist.Work) -> Generator[PendingExchange, None, None]:
@@ -243,6 +261,7 @@ def _exchange(
     log: list | None = None,
     while_in_flight: Callable[[], object] | None = None,
     baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -252,9 +271,9 @@ def _exchange(
             while_in_flight()
         finally:
             # Waited even when the work in flight failed: a collective left unwaited would hang the group.
-            wait_work(work, what, group, baton=baton)
+            wait_work(work, what, group, baton=baton, wait_log=wait_log)
     else:
-        wait_work(work, what, group, baton=baton)
+        wait_work(work, what, group, baton=baton, wait_log=wait_log)
     if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
         log.append((what, start, time.perf_counter()))
     return out
@@ -275,6 +294,7 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending, backward_group, in_backward_flight, baton):  # type: ignore[override]
         ctx.splits, ctx.group, ctx.what, ctx.log = pending.splits, backward_group, pending.what, pending.log
+        ctx.wait_log = pending.wait_log
         ctx.in_flight, ctx.baton = in_backward_flight, baton
         ctx.advance_pair = None
         return pending.wait(None if baton is None else baton())
@@ -299,6 +319,7 @@ class AllToAll(torch.autograd.Function):
             ctx.log,
             while_in_flight if in_flight is not None or advance is not None else None,
             None if ctx.baton is None else ctx.baton(),  # the baton of the pair running this backward, if any
+            ctx.wait_log,
         )
         return dx, None, None, None, None
 

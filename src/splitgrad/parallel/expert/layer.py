@@ -118,6 +118,9 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.wgrad_in_dispatch = False
         #: Set to a list to record each such run as ``("expert wgrad", start, end)`` (perf_counter seconds).
         self.wgrad_log: list | None = None
+        #: Set to a list to record every blocking wait of the layer's collectives (both directions, token counts and
+        #: aux-loss all-reduce too) as ``(name, start, end)``: the time the thread was blocked (diagnostics).
+        self.wait_log: list | None = None
         #: Set by ``overlapped_forward_backward(..., exclusive_compute=True)`` for the pair: the exchanges of both
         #: directions release it while they wait (see ``baton.py``); None: plain waits.
         self.compute_baton: ComputeBaton | None = None
@@ -172,7 +175,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         # under the permutation below instead of as a blocking step of its own. Its wait keeps the pair's
         # baton: handing the core over at this tiny exchange let the other part run a whole segment while
         # this part's dispatch, the exchange worth hiding, was not yet started (1 Gbit, delayed: 56 -> 71 %).
-        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, None)
+        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, None, self.wait_log)
         order = torch.argsort(flat, stable=True)
         copies = h.unsqueeze(1).expand(tokens, k, h.shape[-1]).reshape(-1, h.shape[-1])
         sent = copies.index_select(0, order)
@@ -189,7 +192,13 @@ class ExpertParallelMoEMLP(MoEMLP):
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
         dispatch = start_all_to_all(
-            sent, out_splits, in_splits, self.ep_group, what="dispatch", log=self.comm_log
+            sent,
+            out_splits,
+            in_splits,
+            self.ep_group,
+            what="dispatch",
+            log=self.comm_log,
+            wait_log=self.wait_log,
         )
         yield from await_exchange(dispatch, stats_work)
         rows = finish_all_to_all(
@@ -208,13 +217,21 @@ class ExpertParallelMoEMLP(MoEMLP):
         y = self.fc1(rows.index_select(0, regroup), m_splits)
         y = self.fc2(moe_activation(y, self.activation), m_splits)
         y = y.index_select(0, _inverse(regroup))
-        combine = start_all_to_all(y, in_splits, out_splits, self.ep_group, what="combine", log=self.comm_log)
+        combine = start_all_to_all(
+            y, in_splits, out_splits, self.ep_group, what="combine", log=self.comm_log, wait_log=self.wait_log
+        )
         yield from await_exchange(combine, stats_work)
         y = finish_all_to_all(y, combine, backward_group=self.backward_group, baton=self._compute_baton)
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
-        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group, baton=self.compute_baton)
+        wait_work(
+            stats_work,
+            "aux-loss count all-reduce",
+            self.dp_group,
+            baton=self.compute_baton,
+            wait_log=self.wait_log,
+        )
         global_counts, global_tokens = stats[:-1], int(stats[-1])
         aux = self._aux_share(probs, global_counts, global_tokens)
         self.last_aux_loss = aux.detach()

@@ -4,14 +4,17 @@ A module that communicates in its forward (an expert-parallel MoE layer's dispat
 offer ``forward_steps(*args)``: a generator that runs the forward up to the point where its next exchange is
 *issued* (asynchronously), yields, and on resumption waits for it and goes on; its ``return`` value is the
 forward's output. Its ``forward`` drives that same generator to completion (:func:`run_steps`), so there is one
-code path. A caller that owns the thread (the single-thread overlapped forward/backward driver of
-:mod:`splitgrad.parallel.expert`) advances it one step at a time and runs other work while each exchange is in
-flight.
+code path for the layer's logic. A caller that owns the thread (the single-thread overlapped forward/backward
+driver of :mod:`splitgrad.parallel.expert`) advances it one step at a time and runs other work while each
+exchange is in flight.
 
 Containers (a transformer block, a model, a pipeline stage, a data-parallel wrapper) offer ``forward_steps`` too:
 they walk into children that have steps (:func:`child_steps`) and call the others whole. A child with forward
 hooks or pre-hooks registered is called whole as well, so its hooks fire exactly as in a plain forward (it then
-simply yields nothing).
+simply yields nothing). A container's ``forward_steps`` is a twin of its plain ``forward`` (which calls its
+children through ``__call__``, as before) rather than driving it: a generator in every plain forward would cost
+``torch.compile`` its single graph of a dense model. The twins share their non-trivial parts as helper methods,
+and the overlap tests compare the two paths bitwise.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import ensure_no_pending_wgrad
-from ..core.steps import Steps, child_steps, run_steps
+from ..core.steps import Steps, child_steps
 from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
 from .ddp_hooks import detach, install_hooks
@@ -180,7 +180,10 @@ class DistributedDataParallel(GradSync, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
-        return run_steps(self.forward_steps(*args, **kwargs))
+        self.begin_forward()
+        out = self.module(*args, **kwargs)
+        self.expect_backward(out)
+        return out
 
     def forward_steps(self, *args: Any, **kwargs: Any) -> Steps:
         """:meth:`forward` as steps: the module's, when it has any (see :mod:`splitgrad.core.steps`)."""

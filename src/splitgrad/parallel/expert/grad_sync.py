@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ...core.steps import Steps, child_steps, run_steps
+from ...core.steps import Steps, child_steps
 from ..ddp import DistributedDataParallel
 
 __all__ = ["ExpertDataParallel", "ParameterGroup", "is_expert_parameter"]
@@ -121,7 +121,12 @@ class ExpertDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model once; both wrappers count the contributions its graph implies."""
-        return run_steps(self.forward_steps(*args, **kwargs))
+        for ddp in self._wrappers:
+            ddp.begin_forward()
+        out = self.module(*args, **kwargs)
+        for ddp in self._wrappers:
+            ddp.expect_backward(out)
+        return out
 
     def forward_steps(self, *args: Any, **kwargs: Any) -> Steps:
         """:meth:`forward` as steps: the model's (see :mod:`splitgrad.core.steps`)."""

@@ -63,12 +63,17 @@ class _ForwardPart:
         start, cpu = time.perf_counter(), time.thread_time()
         self.start = start if self.start is None else self.start
         try:
-            with torch.set_grad_enabled(self._grad_enabled):
+            with (
+                torch.set_grad_enabled(self._grad_enabled),
+                torch.profiler.record_function("splitgrad.overlap.step"),
+            ):
                 next(self._steps)
             self.steps += 1
         except StopIteration as stop:
             self.done, self.output = True, stop.value
-        except BaseException as exc:
+        except (
+            Exception
+        ) as exc:  # KeyboardInterrupt & co. pass unwrapped (the generator is closed all the same)
             self.done = True
             raise _ForwardPartError(str(exc)) from exc
         finally:
@@ -146,10 +151,11 @@ def run_pair_in_steps(
         part.advance()  # the forward's first step: up to its first dispatch, in flight under the backward
         cpu_before, fwd_cpu_before, start = time.thread_time(), part.cpu, time.perf_counter()
         try:
-            torch.autograd.backward(y, dy)
+            with torch.profiler.record_function("splitgrad.overlap.backward"):
+                torch.autograd.backward(y, dy)
         except _ForwardPartError:
             raise
-        except BaseException as exc:
+        except Exception as exc:
             raise RuntimeError(
                 f"overlapped_forward_backward (driver='steps'): the backward part failed: {exc}"
             ) from exc

@@ -93,6 +93,15 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
             for layer in moe_layers(ep):
                 if sum(layer.last_tokens_per_expert) != world * local_b * seq * config.top_k:
                     raise AssertionError(f"global token count {layer.last_tokens_per_expert}")
+        # The single-thread steps driver over one group, EP = world: bitwise as the same two microbatches in order.
+        steps_pair_bitwise(
+            lambda o=overrides, e=experts: ExpertParallelMoEGPT(
+                moe_config(**o, delay_wgrad_compute=True), ep_group=group, experts=e
+            ),
+            ref,
+            ids[mine],
+            targets[mine],
+        )
         # Delayed wgrad is the same arithmetic as immediate mode: bitwise.
         for name, g in results[True].items():
             torch.testing.assert_close(
@@ -115,6 +124,36 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
         received = [sum(layer.last_tokens_per_expert) for layer in moe_layers(ep)]
         report.append({"idle_experts": len(idle), "tokens": received, "negative": negative})
     return report
+
+
+def steps_pair_bitwise(make, ref, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    """``F0 B0 F1 B1 W`` against ``F0 (F1 || B0) B1 W`` with ``driver="steps"``, the same microbatch twice (a
+    model from ``make()`` loaded with ``ref``'s weights each time): gradients bitwise equal, and the pair really
+    stepped the forward inside the backward."""
+    from splitgrad.parallel.expert import overlapped_forward_backward
+
+    runs = {}
+    for driver in (None, "steps"):
+        model = make()
+        load_full_state_dict(model, ref.state_dict())
+        loss0 = lm_loss(model(ids), targets)
+        if driver is None:
+            loss0.backward()
+            logits1 = model(ids)
+        else:
+            stats: dict = {}
+            logits1 = overlapped_forward_backward(model, ids, loss0, driver=driver, thread_stats=stats)
+            if stats["forward"]["in_backward"] == 0:
+                raise AssertionError(
+                    f"the steps driver never advanced the forward inside the backward: {stats}"
+                )
+        lm_loss(logits1, targets).backward()
+        splitgrad.backward_dw(model)
+        runs[driver] = grads(model)
+    for name, g in runs["steps"].items():
+        torch.testing.assert_close(
+            g, runs[None][name], rtol=0, atol=0, msg=lambda m, n=name: f"steps: {n}: {m}"
+        )
 
 
 def bad_ep_size(rank: int, world: int) -> str:

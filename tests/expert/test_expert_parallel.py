@@ -5,7 +5,8 @@ all-to-all), regroups them per local expert and moves the outputs back; the aux 
 mistake in the permutations, the splits, the backward exchange or the loss weighting shows up as a gradient
 that differs from the reference, so every loss, block-input gradient and parameter gradient (experts, router,
 dense) is compared in float64, in immediate and delayed modes (delayed bitwise equal to immediate), for
-module-based and ops-based experts, with experts that receive no token.
+module-based and ops-based experts, with experts that receive no token. Each case also runs two microbatches
+through the single-thread steps driver of ``overlapped_forward_backward`` (one group): bitwise as in order.
 """
 
 from __future__ import annotations

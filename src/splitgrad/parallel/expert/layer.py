@@ -69,7 +69,8 @@ class ExpertParallelMoEMLP(MoEMLP):
         backward_group: the group the backward's all-to-alls use (same ranks as ``ep_group``); None:
             ``ep_group``. A separate group is what lets
             :func:`~splitgrad.parallel.expert.overlapped_forward_backward` run one microbatch's forward and
-            another's backward at the same time.
+            another's backward at the same time on two threads (``driver="threads"``; the single-thread
+            ``driver="steps"`` issues both parts' exchanges in a fixed order and needs none).
     """
 
     def __init__(

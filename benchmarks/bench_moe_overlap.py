@@ -2,8 +2,9 @@
 
 2 gloo ranks, EP = 2, a small MoE GPT; per sample, with microbatch 0's forward done, it times the pair
 "backward of microbatch 0 + forward of microbatch 1" run in order and run overlapped
-(:func:`splitgrad.parallel.expert.overlapped_forward_backward`), round-robin, and the all-to-alls of that pair
-alone (the same split sizes, no compute). Two wgrad modes, each a row:
+(:func:`splitgrad.parallel.expert.overlapped_forward_backward`, once per ``--driver``: ``threads``, the backward
+on a second thread; ``steps``, one thread stepping the forward at each backward exchange), round-robin, and the
+all-to-alls of that pair alone (the same split sizes, no compute). Two wgrad modes; a row per mode and driver:
 
 * ``immediate``: weight gradients inside the backward;
 * ``delayed``: deferred wgrad; the pair includes microbatch 0's *expert* weight gradients, run after its backward
@@ -19,12 +20,15 @@ Reported (rank 0, medians):
 * ``waits covered by order``: of the overlapped pair's exchange waits (both parts, the expert W inside the
   dispatch counted as compute), the fraction during which the other part was not waiting as well, from the
   process's own timestamps: an event-order figure that a loaded machine distorts much less than wall times.
+  With ``steps`` (one thread) it is the fraction of the exchanges' in-flight time during which the thread was
+  not blocked in a wait (it computed the other part).
 
 Communication must take wall time, not CPU, for overlap to be visible: run it inside a rate-limited namespace::
 
     python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py
     python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py
     python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py --exclusive-compute
+    python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py --driver threads,steps
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.distributed as dist
 import splitgrad
 from splitgrad.models import MoEConfig, MoEGPT, lm_loss
 from splitgrad.parallel.expert import (
+    DRIVERS,
     ExpertParallelMoEGPT,
     ExpertParallelMoEMLP,
     overlapped_forward_backward,
@@ -116,6 +121,17 @@ def _covered_by_order(comm_log: list, wgrad_log: list) -> float:
     return 1.0 - 2 * both / total
 
 
+def _covered_by_steps(comm_log: list, wait_log: list) -> float:
+    """One thread (the steps driver): of the time the pair's exchanges were in flight (issue to wait end), the
+    fraction during which the thread was not blocked in a wait (it computed the other part meanwhile)."""
+    in_flight = [(s, e) for name, s, e in comm_log if name != "dispatch counts"]
+    total = _measure(in_flight)
+    if total == 0:
+        return float("nan")
+    blocked = _measure(_minus(in_flight, _minus(in_flight, [(s, e) for _, s, e in wait_log])))
+    return 1.0 - blocked / total
+
+
 def _expert_wgrad(model: MoEGPT) -> None:
     """Microbatch 0's deferred expert W, run right after its backward (the sequential order's placement)."""
     for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
@@ -123,9 +139,10 @@ def _expert_wgrad(model: MoEGPT) -> None:
 
 
 def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> tuple:
-    """``(model, fwd_group, ids, comm_log, wgrad_log)``: the EP MoE GPT both MoE scripts time (forward and
-    backward exchanges on separate groups), two microbatches ``(batch, seq)`` of this rank's ids, and the lists
-    its MoE layers log exchanges / expert W into."""
+    """``(model, fwd_group, ids, comm_log, wgrad_log, wait_log)``: the EP MoE GPT both MoE scripts time (forward
+    and backward exchanges on separate groups: the threads driver needs them, the steps driver works either way),
+    two microbatches ``(batch, seq)`` of this rank's ids, and the lists its MoE layers log exchanges / expert W /
+    blocking waits into."""
     torch.manual_seed(0)
     fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
     config = MoEConfig(
@@ -138,27 +155,28 @@ def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: b
     ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
     comm_log: list = []
     wgrad_log: list = []
+    wait_log: list = []
     for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
-        layer.comm_log, layer.wgrad_log = comm_log, wgrad_log
-    return model, fwd, ids, comm_log, wgrad_log
+        layer.comm_log, layer.wgrad_log, layer.wait_log = comm_log, wgrad_log, wait_log
+    return model, fwd, ids, comm_log, wgrad_log, wait_log
 
 
 def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
-    model, fwd, ids, comm_log, wgrad_log = build_pair_model(rank, world, args, delayed)
-    timings: dict[str, list[float]] = {
-        "sequential": [], "overlapped": [], "comm alone": [], "sequential cpu": [], "overlapped cpu": [],
-        "covered by order": [],
-    }  # fmt: skip
+    model, fwd, ids, comm_log, wgrad_log, wait_log = build_pair_model(rank, world, args, delayed)
+    variants = ["sequential", *args.drivers]
+    timings: dict[str, list[float]] = {"comm alone": []}
     for sample in range(args.warmup + args.samples):
-        for variant in ("sequential", "overlapped"):
+        for variant in variants:
             loss0 = lm_loss(model(ids[0]), ids[0])
             dist.barrier(fwd)
             comm_log.clear()
             wgrad_log.clear()
+            wait_log.clear()
             start, cpu = time.perf_counter(), time.process_time()
-            if variant == "overlapped":
+            if variant != "sequential":
+                exclusive = args.exclusive_compute and variant == "threads"
                 logits1 = overlapped_forward_backward(
-                    model, ids[1], loss0, exclusive_compute=args.exclusive_compute
+                    model, ids[1], loss0, driver=variant, exclusive_compute=exclusive
                 )
             else:
                 loss0.backward()
@@ -166,14 +184,19 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
                     _expert_wgrad(model)
                 logits1 = model(ids[1])
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if variant == "overlapped" and sample >= args.warmup:
-                timings["covered by order"].append(_covered_by_order(list(comm_log), list(wgrad_log)))
+            if variant != "sequential" and sample >= args.warmup:
+                covered = (
+                    _covered_by_steps(list(comm_log), list(wait_log))
+                    if variant == "steps"
+                    else _covered_by_order(list(comm_log), list(wgrad_log))
+                )
+                timings.setdefault(f"{variant} covered by order", []).append(covered)
             lm_loss(logits1, ids[1]).backward()
             splitgrad.backward_dw(model)
             model.zero_grad(set_to_none=True)
             if sample >= args.warmup:
-                timings[variant].append(elapsed)
-                timings[f"{variant} cpu"].append(cpu)
+                timings.setdefault(variant, []).append(elapsed)
+                timings.setdefault(f"{variant} cpu", []).append(cpu)
         if sample >= args.warmup:
             timings["comm alone"].append(_comm_alone(_pair_exchanges(model, fwd), fwd))
     return {k: statistics.median(v) for k, v in timings.items()}
@@ -201,7 +224,14 @@ def main() -> None:
     parser.add_argument(
         "--exclusive-compute",
         action="store_true",
-        help="overlapped pair with exclusive_compute=True: one part computes at a time, switching at waits",
+        help="threads driver with exclusive_compute=True: one part computes at a time, switching at waits",
+    )
+    parser.add_argument(
+        "--driver",
+        dest="drivers",
+        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
+        default=["threads"],
+        help="comma-separated overlapped_forward_backward drivers, a row each: threads, steps",
     )
     args = parser.parse_args()
     if args.delayed:
@@ -209,25 +239,29 @@ def main() -> None:
     bad = [m for m in args.modes if m not in ("immediate", "delayed")]
     if bad or not args.modes:
         parser.error(f"--modes: choose from immediate, delayed; got {args.modes}")
+    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
+        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "
         f"exclusive_compute={args.exclusive_compute}; rank 0 medians"
     )
     print(
-        "| wgrad | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "
+        "| wgrad | driver | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "
         "coverable | pair CPU seq / ovl (ms) | waits covered by order |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         r = results[0][mode]
-        comm, seq, ovl = r["comm alone"], r["sequential"], r["overlapped"]
+        comm, seq = r["comm alone"], r["sequential"]
         coverable = min(comm, max(seq - comm, 0.0)) / comm
-        print(
-            f"| {mode} | {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
-            f"{(seq - ovl) / comm:.0%} | {coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
-            f"{r['overlapped cpu'] * 1e3:.1f} | {r['covered by order']:.0%} |"
-        )
+        for driver in args.drivers:
+            ovl = r[driver]
+            print(
+                f"| {mode} | {driver} | {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
+                f"{(seq - ovl) / comm:.0%} | {coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
+                f"{r[f'{driver} cpu'] * 1e3:.1f} | {r[f'{driver} covered by order']:.0%} |"
+            )
 
 
 if __name__ == "__main__":

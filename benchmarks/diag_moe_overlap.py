@@ -12,10 +12,18 @@ Same setup as ``bench_moe_overlap.py`` (2 gloo ranks, EP = 2, small MoE GPT; the
   the time spent so (peer late, a cross-rank skew no local reordering removes) vs after both posted;
 * ``both waiting``: time during which both parts waited at once (nothing to compute on this rank: exposed).
 
+``--driver threads,steps`` adds rows for the single-thread steps driver (``overlapped_forward_backward(...,
+driver="steps")``; GIL interval and baton variants do not apply to it: one row per wgrad mode). There the
+forward's CPU is the time spent in its steps and the backward's the rest; context switches are the one thread's;
+the waits are the thread's blocking waits (the layers' ``wait_log``), so ``both waiting`` is every blocked
+moment (one thread: nothing computes while it waits), and the cross-rank split of the waits uses the blocking
+waits against the peer's issue times.
+
 Timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for both processes of the machine). Run it
 inside the rate-limited namespace, e.g.::
 
     python benchmarks/_netns.py --rate 4gbit -- python benchmarks/diag_moe_overlap.py
+    python benchmarks/_netns.py --rate 4gbit -- python benchmarks/diag_moe_overlap.py --driver threads,steps
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import lm_loss
-from splitgrad.parallel.expert import overlapped_forward_backward
+from splitgrad.parallel.expert import DRIVERS, overlapped_forward_backward
 from splitgrad.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -60,9 +68,10 @@ def _cross_rank(mine: list, peer: list) -> tuple[int, float, float]:
 
 
 def _mode(
-    rank: int, world: int, args: argparse.Namespace, delayed: bool, interval: float, exclusive: bool
+    rank: int, world: int, args: argparse.Namespace, delayed: bool, interval: float, variant: str
 ) -> dict[str, float]:
-    model, fwd, ids, comm_log, wgrad_log = build_pair_model(rank, world, args, delayed)
+    exclusive, driver = variant == "baton", "steps" if variant == "steps" else "threads"
+    model, fwd, ids, comm_log, wgrad_log, wait_log = build_pair_model(rank, world, args, delayed)
     rows: dict[str, list[float]] = {}
     old = sys.getswitchinterval()
     for sample in range(args.warmup + args.samples):
@@ -83,17 +92,18 @@ def _mode(
         dist.barrier(fwd)
         comm_log.clear()
         wgrad_log.clear()
+        wait_log.clear()
         stats: dict = {}
         tasks = len(os.listdir("/proc/self/task"))
         sys.setswitchinterval(interval)
         try:
             logits1 = overlapped_forward_backward(
-                model, ids[1], loss0, thread_stats=stats, exclusive_compute=exclusive
+                model, ids[1], loss0, thread_stats=stats, exclusive_compute=exclusive, driver=driver
             )
         finally:
             sys.setswitchinterval(old)
         tasks_after = len(os.listdir("/proc/self/task"))
-        log = list(comm_log)
+        log, waits = list(comm_log), list(wait_log)
         lm_loss(logits1, ids[1]).backward()
         splitgrad.backward_dw(model)
         model.zero_grad(set_to_none=True)
@@ -102,16 +112,30 @@ def _mode(
         if sample < args.warmup:
             continue
         f, b = stats["forward"], stats["backward"]
-        early, late_s, after_s = _cross_rank(log, logs[1 - rank])
-        # Compute inside a logged wait is not waiting: the expert W in the dispatch backward, and (baton) the
-        # wait to take the baton back while the other part computes.
-        busy = [(s, e) for _, s, e in wgrad_log] + list(stats.get("baton_waits", []))
-        forward_waits = _minus([(s, e) for n, s, e in log if not n.endswith("backward")], busy)
-        backward_waits = _minus([(s, e) for n, s, e in log if n.endswith("backward")], busy)
-        both = _measure(_minus(forward_waits, _minus(forward_waits, backward_waits)))
+        if driver == "steps":
+            # One thread: its blocking waits are the waits; nothing computes during any of them.
+            early, late_s, after_s = _cross_rank(waits, logs[1 - rank])
+            forward_waits = [(s, e) for n, s, e in waits if not n.endswith("backward")]
+            backward_waits = [(s, e) for n, s, e in waits if n.endswith("backward")]
+            both = _measure(forward_waits + backward_waits)
+            p = stats["pair"]
+            wall, switches = p["end"] - p["start"], (p.get("voluntary", 0), p.get("involuntary", 0))
+        else:
+            early, late_s, after_s = _cross_rank(log, logs[1 - rank])
+            # Compute inside a logged wait is not waiting: the expert W in the dispatch backward, and (baton) the
+            # wait to take the baton back while the other part computes.
+            busy = [(s, e) for _, s, e in wgrad_log] + list(stats.get("baton_waits", []))
+            forward_waits = _minus([(s, e) for n, s, e in log if not n.endswith("backward")], busy)
+            backward_waits = _minus([(s, e) for n, s, e in log if n.endswith("backward")], busy)
+            both = _measure(_minus(forward_waits, _minus(forward_waits, backward_waits)))
+            wall = max(f["end"], b["end"]) - f["start"]
+            switches = (
+                f.get("voluntary", 0) + b.get("voluntary", 0),
+                f.get("involuntary", 0) + b.get("involuntary", 0),
+            )
         values = {
-            "cpu seq": seq_cpu, "cpu fwd": f["cpu"], "cpu bwd": b["cpu"], "wall ovl": max(f["end"], b["end"]) - f["start"],
-            "vol": f.get("voluntary", 0) + b.get("voluntary", 0), "invol": f.get("involuntary", 0) + b.get("involuntary", 0),
+            "cpu seq": seq_cpu, "cpu fwd": f["cpu"], "cpu bwd": b["cpu"], "wall ovl": wall,
+            "vol": switches[0], "invol": switches[1],
             "threads fwd": f["num_threads"], "threads bwd": b["num_threads"], "os threads": max(tasks, tasks_after),
             "exchanges": len(log), "early": early, "peer late": late_s, "after posted": after_s, "both waiting": both,
             "fwd waits": _measure(forward_waits), "bwd waits": _measure(backward_waits),
@@ -123,12 +147,13 @@ def _mode(
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
-    return {
-        (mode, interval, variant): _mode(rank, world, args, mode == "delayed", interval, variant == "baton")
-        for mode in args.modes
-        for interval in args.intervals
-        for variant in args.variants
-    }
+    runs = []
+    for mode in args.modes:
+        if "threads" in args.drivers:
+            runs += [(mode, interval, variant) for interval in args.intervals for variant in args.variants]
+        if "steps" in args.drivers:
+            runs.append((mode, sys.getswitchinterval(), "steps"))
+    return {run: _mode(rank, world, args, run[0] == "delayed", run[1], run[2]) for run in runs}
 
 
 def main() -> None:
@@ -150,9 +175,18 @@ def main() -> None:
         "--variants",
         type=lambda t: t.split(","),
         default=["os", "baton"],
-        help="os: the OS time-slices the two parts; baton: exclusive_compute=True (parts switch at waits)",
+        help="threads driver: os: the OS time-slices the two parts; baton: exclusive_compute=True (parts switch at waits)",
+    )
+    parser.add_argument(
+        "--driver",
+        dest="drivers",
+        type=lambda t: [d.strip() for d in t.split(",") if d.strip()],
+        default=["threads"],
+        help="comma-separated overlapped_forward_backward drivers: threads (rows per interval and variant), steps",
     )
     args = parser.parse_args()
+    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
+        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens/microbatch/rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} layers; rank 0 medians"

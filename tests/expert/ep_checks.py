@@ -93,6 +93,15 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
             for layer in moe_layers(ep):
                 if sum(layer.last_tokens_per_expert) != world * local_b * seq * config.top_k:
                     raise AssertionError(f"global token count {layer.last_tokens_per_expert}")
+        # The single-thread steps driver over one group, EP = world: bitwise as the same two microbatches in order.
+        steps_pair_bitwise(
+            lambda o=overrides, e=experts: ExpertParallelMoEGPT(
+                moe_config(**o, delay_wgrad_compute=True), ep_group=group, experts=e
+            ),
+            ref,
+            ids[mine],
+            targets[mine],
+        )
         # Delayed wgrad is the same arithmetic as immediate mode: bitwise.
         for name, g in results[True].items():
             torch.testing.assert_close(
@@ -115,6 +124,36 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
         received = [sum(layer.last_tokens_per_expert) for layer in moe_layers(ep)]
         report.append({"idle_experts": len(idle), "tokens": received, "negative": negative})
     return report
+
+
+def steps_pair_bitwise(make, ref, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    """``F0 B0 F1 B1 W`` against ``F0 (F1 || B0) B1 W`` with ``driver="steps"``, the same microbatch twice (a
+    model from ``make()`` loaded with ``ref``'s weights each time): gradients bitwise equal, and the pair really
+    stepped the forward inside the backward."""
+    from splitgrad.parallel.expert import overlapped_forward_backward
+
+    runs = {}
+    for driver in (None, "steps"):
+        model = make()
+        load_full_state_dict(model, ref.state_dict())
+        loss0 = lm_loss(model(ids), targets)
+        if driver is None:
+            loss0.backward()
+            logits1 = model(ids)
+        else:
+            stats: dict = {}
+            logits1 = overlapped_forward_backward(model, ids, loss0, driver=driver, thread_stats=stats)
+            if stats["forward"]["in_backward"] == 0:
+                raise AssertionError(
+                    f"the steps driver never advanced the forward inside the backward: {stats}"
+                )
+        lm_loss(logits1, targets).backward()
+        splitgrad.backward_dw(model)
+        runs[driver] = grads(model)
+    for name, g in runs["steps"].items():
+        torch.testing.assert_close(
+            g, runs[None][name], rtol=0, atol=0, msg=lambda m, n=name: f"steps: {n}: {m}"
+        )
 
 
 def bad_ep_size(rank: int, world: int) -> str:
@@ -215,8 +254,10 @@ def hook_reduction(
 
 
 def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
-    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``, the pair OS-scheduled and with
-    ``exclusive_compute`` (parts switch only at exchange waits): losses and gradients bitwise equal."""
+    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``, the pair OS-scheduled, with
+    ``exclusive_compute`` (parts switch only at exchange waits) and with the single-thread steps driver (forward
+    and backward on one group): losses and gradients bitwise equal; the steps driver really interleaves, in the
+    same issue order on every rank; either part's error is named and leaves no exchange unwaited."""
     from splitgrad.parallel.expert import overlapped_forward_backward
 
     ep_group, back_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
@@ -227,27 +268,47 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     out = []
     for delay, experts in modes:
         runs = []
-        for variant in ("sequential", "overlapped", "exclusive"):
+        for variant in ("sequential", "overlapped", "exclusive", "steps"):
             overlapped = variant != "sequential"
             model = ExpertParallelMoEGPT(
                 moe_config(delay_wgrad_compute=delay == "delayed"),
                 ep_group=ep_group,
-                ep_backward_group=back_group,
+                ep_backward_group=ep_group if variant == "steps" else back_group,
                 experts=experts,
             )
             load_full_state_dict(model, ref.state_dict())
             watch = _ExpertWatch(model)
             loss0 = lm_loss(model(local[0][0]), local[1][0])
+            before_pair = len(watch.comm)
             if overlapped:
                 stats: dict = {}
                 logits1 = overlapped_forward_backward(
-                    model, local[0][1], loss0, thread_stats=stats, exclusive_compute=variant == "exclusive"
+                    model,
+                    local[0][1],
+                    loss0,
+                    thread_stats=stats,
+                    exclusive_compute=variant == "exclusive",
+                    driver="steps" if variant == "steps" else "threads",
                 )
                 watch.after_pair(delayed=delay == "delayed")
-                _check_pair_stats(stats, model, exclusive=variant == "exclusive")
+                if variant == "steps":
+                    _check_step_stats(stats, model)
+                else:
+                    _check_pair_stats(stats, model, exclusive=variant == "exclusive")
             else:
                 loss0.backward()
                 logits1 = model(local[0][1])
+            pair_log = watch.comm[before_pair:]
+            if variant == "steps":
+                check_interleaved(pair_log)
+                check_same_issue_order(pair_log, ep_group)
+            elif variant == "sequential":  # not trivially passing: the in-order pair is no interleave
+                try:
+                    check_interleaved(pair_log)
+                except AssertionError:
+                    pass
+                else:
+                    raise AssertionError("the sequential pair's exchange log passed as interleaved")
             loss1 = lm_loss(logits1, local[1][1])
             loss1.backward()
             if delay == "delayed":
@@ -266,7 +327,8 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             if torch.equal(first, gb["blocks.0.mlp.fc1.weight0"]):
                 raise AssertionError("the expert gradient after the step equals microbatch 0's alone")
         out.append(f"{delay}/{experts}")
-    # A model whose forward and backward share one group is refused (its collectives could interleave).
+    # A model whose forward and backward share one group is refused by the threads driver (its collectives
+    # could interleave differently on each rank).
     shared = ExpertParallelMoEGPT(config, ep_group=ep_group)
     try:
         overlapped_forward_backward(shared, local[0][0], torch.zeros((), requires_grad=True))
@@ -274,7 +336,96 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
         out.append(str(exc))
     else:
         raise AssertionError("overlap with a shared group was accepted")
+    out.append(step_driver_errors(shared, local[0]))
     return out
+
+
+def check_interleaved(log: list) -> None:
+    """The pair's exchange log ``(name, issued, waited)`` shows the forward advanced inside the backward: its
+    first dispatch was issued before the backward's first exchange completed, and some forward exchange was
+    issued while a backward exchange was in flight."""
+    forward = [(n, s, e) for n, s, e in log if n in ("dispatch", "combine")]
+    backward = [(n, s, e) for n, s, e in log if n.endswith(" backward")]
+    if not forward or not backward:
+        raise AssertionError(f"no exchanges of both parts in {log}")
+    first_dispatch = min(s for n, s, _ in forward if n == "dispatch")
+    if not first_dispatch < min(e for _, _, e in backward):
+        raise AssertionError(
+            "the forward's first dispatch was issued after the backward's first exchange ended"
+        )
+    if not any(bs < fs < be for _, fs, _ in forward for _, bs, be in backward):
+        raise AssertionError("no forward exchange was issued while a backward exchange was in flight")
+
+
+def check_same_issue_order(log: list, group) -> None:
+    """Every rank issued the pair's dispatch/combine exchanges (both directions) in the same order."""
+    order = [n for n, _, _ in sorted(log, key=lambda entry: entry[1]) if n != "dispatch counts"]
+    orders: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(orders, order, group=group)
+    if any(o != orders[0] for o in orders):
+        raise AssertionError(f"issue orders differ between ranks: {orders}")
+
+
+def step_driver_errors(model, inputs) -> str:
+    """With the steps driver an error in either part is named, and the exchange the other part had in flight
+    is waited (logged) before the error surfaces; the group works afterwards."""
+    from splitgrad.parallel.expert import OverlappedMoEStage, overlapped_forward_backward
+
+    log: list = []
+    for layer in moe_layers(model):
+        layer.comm_log = log
+    ids = inputs[0]
+    # Backward part fails (dy of the wrong shape) after the forward issued its first dispatch.
+    logits = model(ids)
+    log.clear()
+    try:
+        overlapped_forward_backward(model, ids, logits, torch.ones(1, dtype=logits.dtype), driver="steps")
+    except RuntimeError as exc:
+        if "backward part failed" not in str(exc) or [n for n, _, _ in log] != [
+            "dispatch counts",
+            "dispatch",
+        ]:
+            raise AssertionError(f"backward failure: {exc}; exchanges waited {log}") from exc
+    else:
+        raise AssertionError("a failing backward part was not reported")
+    # Forward part fails in its second block, advanced from inside the backward's exchanges.
+    loss = lm_loss(model(ids), inputs[1])
+    handle = model.blocks[1].attn.register_forward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(KeyError("boom"))
+    )
+    try:
+        overlapped_forward_backward(model, ids, loss, driver="steps")
+    except RuntimeError as exc:
+        if "forward part failed" not in str(exc) or not isinstance(exc.__cause__, KeyError):
+            raise AssertionError(f"forward failure reported as {exc!r}") from exc
+    else:
+        raise AssertionError("a failing forward part was not reported")
+    finally:
+        handle.remove()
+    check = torch.ones(1)
+    dist.all_reduce(check, group=model.blocks[0].mlp.ep_group)  # the group is not left mid-collective
+    for bad in ({"driver": "thread"}, {"driver": "steps", "exclusive_compute": True}):
+        try:
+            OverlappedMoEStage(model, **bad)
+        except ValueError as exc:
+            if "driver=" not in str(exc):
+                raise AssertionError(str(exc)) from exc
+        else:
+            raise AssertionError(f"OverlappedMoEStage accepted {bad}")
+    return "errors named"
+
+
+def _check_step_stats(stats: dict, model) -> None:
+    """``thread_stats`` of a steps pair: one thread; every forward step but the first ran inside a backward
+    exchange (two per MoE layer, plus the end of the forward)."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
+    forward, backward, pair = stats["forward"], stats["backward"], stats["pair"]
+    if forward["steps"] != 2 * len(layers) or forward["in_backward"] != 2 * len(layers):
+        raise AssertionError(f"forward steps {forward} for {len(layers)} MoE layers")
+    if not (pair["start"] <= forward["start"] < backward["start"] < forward["end"] <= pair["end"]):
+        raise AssertionError(f"step spans out of order: {stats}")
+    if not (forward["cpu"] > 0 and backward["cpu"] > 0 and forward["num_threads"] == 1):
+        raise AssertionError(f"step stats {stats}")
 
 
 def _check_pair_stats(stats: dict, model, *, exclusive: bool) -> None:

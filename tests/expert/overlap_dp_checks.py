@@ -1,10 +1,11 @@
 """Rank function: ExpertDataParallel x batch-level overlap (module-level: pickled by name by ``spawn``).
 
 EP = 2 x expert-DP = 2 on 4 ranks, two microbatches in flight, delayed wgrad: ``F0 (F1 || B0) B1 W`` through
-the wrapper against ``F0 B0 F1 B1 W`` and the single-process ``MoEGPT``. The overlapped pair's backward fires
-wgrad hooks (microbatch 0's expert W inside the dispatch all-to-all) on its own thread while the forward
-thread issues all-to-alls and the aux-loss all-reduce; every bucket must still start exactly once, from a
-hook, on the calling thread (the pair runs inside the wrapper's ``no_sync()``).
+the wrapper (both drivers) against ``F0 B0 F1 B1 W`` and the single-process ``MoEGPT``. The overlapped pair's
+backward fires wgrad hooks (microbatch 0's expert W inside the dispatch all-to-all) while the forward part
+issues all-to-alls and the aux-loss all-reduce (threads: from the backward thread; steps: between the forward's
+steps); every bucket must still start exactly once, from a hook, on the calling thread (the pair runs inside
+the wrapper's ``no_sync()``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def overlap_with_expert_dp(
     mine = [slice(mb * per_mb + rank * local_b, mb * per_mb + (rank + 1) * local_b) for mb in range(2)]
 
     runs, report = {}, {}
-    for overlapped in (False, True):
+    for overlapped in (False, "threads", "steps"):
         model = ExpertParallelMoEGPT(
             moe_config(delay_wgrad_compute=True),
             ep_group=ep_group,
@@ -97,7 +98,9 @@ def overlap_with_expert_dp(
             layer.wgrad_log = wlog
         if overlapped:  # the bare model under the wrapper is refused before anything runs
             try:
-                overlapped_forward_backward(model, ids[mine[1]], torch.zeros((), requires_grad=True))
+                overlapped_forward_backward(
+                    model, ids[mine[1]], torch.zeros((), requires_grad=True), driver=overlapped
+                )
             except ValueError as exc:
                 if "pass the wrapper" not in str(exc):
                     raise
@@ -108,11 +111,12 @@ def overlap_with_expert_dp(
         x0, t0, x1, t1 = ids[mine[0]], targets[mine[0]], ids[mine[1]], targets[mine[1]]
         loss0 = lm_loss(edp(x0), t0)
         if overlapped:
-            logits1 = overlapped_forward_backward(edp, x1, loss0)  # runs inside edp.no_sync()
+            logits1 = overlapped_forward_backward(edp, x1, loss0, driver=overlapped)  # inside edp.no_sync()
             if launches or len(wlog) != len(moe_layers(model)):
                 raise AssertionError(f"after the pair: launches {launches}, expert W in dispatch {len(wlog)}")
-            if "splitgrad-overlap-backward" not in hook_threads:
-                raise AssertionError(f"no wgrad hook fired on the backward thread: {hook_threads}")
+            pair_thread = "splitgrad-overlap-backward" if overlapped == "threads" else "MainThread"
+            if pair_thread not in hook_threads:
+                raise AssertionError(f"no wgrad hook fired on the {pair_thread}: {hook_threads}")
         else:
             with edp.no_sync():
                 loss0.backward()
@@ -139,14 +143,17 @@ def overlap_with_expert_dp(
             close(g, ref_grads[full_name(model, name)], f"{overlapped=} {experts}: {name}")
         edp.close()
         report[overlapped] = {"buckets": len(want), "hook_threads": sorted(set(hook_threads))}
-    for name, g in runs[True].items():
-        torch.testing.assert_close(g, runs[False][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    for driver in ("threads", "steps"):
+        for name, g in runs[driver].items():
+            torch.testing.assert_close(
+                g, runs[False][name], rtol=0, atol=0, msg=lambda m, n=name, d=driver: f"{d}: {n}: {m}"
+            )
     # Not trivially passing: the reference of microbatch 1 alone (microbatch 0's gradients lost) is rejected.
     ref1 = build(MoEGPT, config)
     lm_loss(ref1(ids[per_mb:]), targets[per_mb:]).backward()
     lost = grads(ref1)
     try:
-        for name, g in runs[True].items():
+        for name, g in runs["steps"].items():
             close(g, lost[full_name(model, name)], "negative")
     except AssertionError:
         report["negative"] = True

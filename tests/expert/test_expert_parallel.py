@@ -5,7 +5,8 @@ all-to-all), regroups them per local expert and moves the outputs back; the aux 
 mistake in the permutations, the splits, the backward exchange or the loss weighting shows up as a gradient
 that differs from the reference, so every loss, block-input gradient and parameter gradient (experts, router,
 dense) is compared in float64, in immediate and delayed modes (delayed bitwise equal to immediate), for
-module-based and ops-based experts, with experts that receive no token.
+module-based and ops-based experts, with experts that receive no token. Each case also runs two microbatches
+through the single-thread steps driver of ``overlapped_forward_backward`` (one group): bitwise as in order.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def test_hook_driven_reduction_ep2_x_expert_dp2():
     """4 ranks: EP = 2 x expert-DP = 2 (dense DP = 4); buckets started by the wgrad hooks, grads exact.
 
     The same spawn then runs two microbatches through ExpertDataParallel in the overlapped order
-    (``F0 (F1 || B0) B1 W``, expert W inside the dispatch all-to-all): gradients equal the reference and, bitwise,
-    the in-order run; each bucket starts once, from a hook, on the main thread, though hooks fire on the pair's
-    backward thread.
+    (``F0 (F1 || B0) B1 W``, expert W inside the dispatch all-to-all), with both drivers: gradients equal the
+    reference and, bitwise, the in-order run; each bucket starts once, from a hook, on the main thread, though
+    hooks fire on the pair's backward thread (threads driver) or between the forward's steps (steps driver).
     """
     cases = [
         ({}, 1, 8, "module", "immediate"),
@@ -66,13 +67,20 @@ def test_hook_driven_reduction_ep2_x_expert_dp2():
     for report in reports:
         overlapped = report[-1]
         assert overlapped["negative"] and overlapped["bare_model_refused"]
-        assert overlapped[True]["buckets"] == overlapped[False]["buckets"] >= 4
+        assert (
+            overlapped["threads"]["buckets"]
+            == overlapped["steps"]["buckets"]
+            == overlapped[False]["buckets"]
+            >= 4
+        )
         # The pair's backward thread really fired wgrad hooks (expert W inside the dispatch all-to-all).
-        assert "splitgrad-overlap-backward" in overlapped[True]["hook_threads"]
+        assert "splitgrad-overlap-backward" in overlapped["threads"]["hook_threads"]
+        assert overlapped["steps"]["hook_threads"] == ["MainThread"]
 
 
 def test_overlapped_forward_backward_is_bitwise_sequential():
-    """Batch-level overlap (F of microbatch 1 while B of microbatch 0 runs) trains bit-for-bit like in order.
+    """Batch-level overlap (F of microbatch 1 while B of microbatch 0 runs) trains bit-for-bit like in order,
+    with both drivers (two threads; one thread stepping the forward at each backward exchange, one group).
 
     With delayed wgrad the expert W of microbatch 0 runs inside each layer's backward dispatch all-to-all
     (checked by the order of the logged events), the dense W stays deferred, nothing is left owed, and every
@@ -82,4 +90,5 @@ def test_overlapped_forward_backward_is_bitwise_sequential():
     reports = spawn(ep_checks.overlap_bitwise, 2, modes, timeout=240.0, pg_timeout=120.0)
     for report in reports:
         assert report[:3] == ["immediate/module", "delayed/module", "delayed/ops"]
-        assert "ep_backward_group" in report[3]
+        assert "ep_backward_group" in report[3] and "driver='steps'" in report[3]
+        assert report[4] == "errors named"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..core.steps import Steps, child_steps
 from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
 from ..functional.tp_sequence import gather_sequence, split_sequence
 from ..module.layernorm_linear import LayerNormLinear
@@ -187,13 +188,26 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._attention(x)
+        return x + F.dropout(self.mlp(x), self.dropout, self.training)
+
+    def forward_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps: the MLP branch's, when it has any (see :mod:`splitgrad.core.steps`).
+
+        A twin of :meth:`forward` rather than its driver: a generator in every plain forward would cost
+        ``torch.compile`` its single graph."""
+        x = self._attention(x)
+        mlp = yield from child_steps(self.mlp, x)
+        return x + F.dropout(mlp, self.dropout, self.training)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The checked input plus the attention branch."""
         if x.dim() != 3:
             raise ValueError(
                 f"Block: input must be (batch, seq, hidden) (sequence parallel: (seq / tp, batch, hidden)), got "
                 f"shape {tuple(x.shape)}"
             )
-        x = x + F.dropout(self.attn(x), self.dropout, self.training)
-        return x + F.dropout(self.mlp(x), self.dropout, self.training)
+        return x + F.dropout(self.attn(x), self.dropout, self.training)
 
     def residual_output_weights(self) -> list[nn.Parameter]:
         """The matrices that write into the residual stream (GPT-2 scales their initialisation down)."""
@@ -312,6 +326,14 @@ class GPT(nn.Module):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
+        return self.head(x, self.embed.wte.weight if self.config.tie_embeddings else None)
+
+    def forward_steps(self, ids: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps: each block's (see :mod:`splitgrad.core.steps`; a twin, as
+        :meth:`Block.forward_steps`)."""
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = yield from child_steps(block, x)
         return self.head(x, self.embed.wte.weight if self.config.tie_embeddings else None)
 
 

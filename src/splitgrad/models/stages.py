@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..core.steps import Steps, child_steps
 from .gpt import GPT
 
 __all__ = ["StageModule", "split_into_stages", "stage_layer_counts"]
@@ -75,15 +76,30 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: ids ``(batch, seq)`` int64; others: ``(batch, seq, hidden)``. Returns ``(batch, seq,
         hidden)``, or logits ``(batch, seq, vocab)`` on the last stage."""
+        x = self._enter(x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self._leave(x)
+
+    def forward_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps: each block's (see :mod:`splitgrad.core.steps`; a twin of :meth:`forward`,
+        not its driver, so the plain forward stays free of generators for ``torch.compile``)."""
+        x = self._enter(x)
+        for block in self.blocks.values():
+            x = yield from child_steps(block, x)
+        return self._leave(x)
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
-        elif x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            return self.embed(x)
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"StageModule {self.index}: expected activations (batch, seq, {self.hidden_size}), got shape "
                 f"{tuple(x.shape)}"
             )
-        for block in self.blocks.values():
-            x = block(x)
+        return x
+
+    def _leave(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             # A tied head only exists when one stage holds everything (split_into_stages enforces it).
             x = self.head(x, self.embed.wte.weight if self.tied else None)

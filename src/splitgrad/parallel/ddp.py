@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import ensure_no_pending_wgrad
+from ..core.steps import Steps, child_steps
 from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
 from .ddp_hooks import detach, install_hooks
@@ -183,6 +184,13 @@ class DistributedDataParallel(GradSync, nn.Module):
         """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
         self.begin_forward()
         out = self.module(*args, **kwargs)
+        self.expect_backward(out)
+        return out
+
+    def forward_steps(self, *args: Any, **kwargs: Any) -> Steps:
+        """:meth:`forward` as steps: the module's, when it has any (see :mod:`splitgrad.core.steps`)."""
+        self.begin_forward()
+        out = yield from child_steps(self.module, *args, **kwargs)
         self.expect_backward(out)
         return out
 

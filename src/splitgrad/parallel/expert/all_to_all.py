@@ -16,14 +16,25 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 import torch.distributed as dist
 
 from .baton import ComputeBaton
 
-__all__ = ["AllToAll", "CountExchange", "all_to_all", "exchange_counts", "start_count_exchange", "wait_work"]
+__all__ = [
+    "AllToAll",
+    "CountExchange",
+    "PendingExchange",
+    "all_to_all",
+    "await_exchange",
+    "exchange_counts",
+    "finish_all_to_all",
+    "start_all_to_all",
+    "start_count_exchange",
+    "wait_work",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +45,7 @@ def wait_work(
     group: dist.ProcessGroup,
     timeout: float | None = None,
     baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> None:
     """Wait for ``work``; raise a ``RuntimeError`` naming ``what`` and this rank when it fails or times out.
 
@@ -43,7 +55,10 @@ def wait_work(
         group: its process group (for the rank in the message).
         timeout: seconds; None waits as long as the group's own timeout.
         baton: the overlapped pair's :class:`ComputeBaton`, released for the wait if this thread holds it.
+        wait_log: when given, appends ``(what, start, end)`` of the wait itself (``time.perf_counter()``
+            seconds): the time this thread was blocked, not the time the collective was in flight.
     """
+    start = time.perf_counter()
     try:
         with baton.released() if baton is not None else contextlib.nullcontext():
             if timeout is None:
@@ -56,6 +71,9 @@ def wait_work(
             f"{dist.get_world_size(group)} ({exc}); did every rank of the expert-parallel group run the same "
             "MoE layers in the same order?"
         ) from exc
+    finally:
+        if wait_log is not None:
+            wait_log.append((what, start, time.perf_counter()))
 
 
 def exchange_counts(
@@ -90,14 +108,16 @@ class CountExchange:
         group: dist.ProcessGroup,
         log: list | None,
         baton: ComputeBaton | None = None,
+        wait_log: list | None = None,
     ) -> None:
         self._received, self._work, self._group, self._log, self._baton = received, work, group, log, baton
+        self._wait_log = wait_log
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Wait for the exchange; return ``(ep_size, local_experts)`` int64 on the host (see
         :func:`exchange_counts`)."""
         start = time.perf_counter()
-        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton)
+        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton, self._wait_log)
         if (
             self._log is not None
         ):  # (name, wait start, end): only the blocked part (the permutation ran before)
@@ -106,7 +126,11 @@ class CountExchange:
 
 
 def start_count_exchange(
-    counts: torch.Tensor, group: dist.ProcessGroup, log: list | None = None, baton: ComputeBaton | None = None
+    counts: torch.Tensor,
+    group: dist.ProcessGroup,
+    log: list | None = None,
+    baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> CountExchange:
     """Start :func:`exchange_counts` asynchronously; wait with the returned handle's ``wait()``.
 
@@ -116,6 +140,7 @@ def start_count_exchange(
         log: when given, the wait appends ``("dispatch counts", start, end)`` (``time.perf_counter()`` seconds,
             from entering the wait).
         baton: released for the wait (see :func:`wait_work`).
+        wait_log: see :func:`wait_work`.
 
     Returns:
         The exchange in flight.
@@ -128,7 +153,103 @@ def start_count_exchange(
         )
     received = torch.empty_like(counts)
     work = dist.all_to_all_single(received, counts.contiguous(), group=group, async_op=True)
-    return CountExchange(received, work, group, log, baton)
+    return CountExchange(received, work, group, log, baton, wait_log)
+
+
+class PendingExchange:
+    """A forward token exchange in flight (from :func:`start_all_to_all`); :func:`finish_all_to_all` waits for it
+    and makes it differentiable.
+
+    ``out``: the receive buffer ``(sum(out_splits), *rest)``, valid once waited; ``start``: when it was issued
+    (``time.perf_counter()`` seconds).
+    """
+
+    def __init__(
+        self,
+        out: torch.Tensor,
+        sent: torch.Tensor,
+        work: dist.Work,
+        splits: tuple[list[int], list[int]],
+        group: dist.ProcessGroup,
+        what: str,
+        log: list | None,
+        wait_log: list | None = None,
+    ) -> None:
+        self.out, self._sent, self._work, self.splits = out, sent, work, splits
+        self.group, self.what, self.log, self.wait_log = group, what, log, wait_log
+        self.start = time.perf_counter()
+        self.done = False
+
+    def wait(self, baton: ComputeBaton | None = None) -> torch.Tensor:
+        """Wait for the exchange (once) and log it; returns ``out``."""
+        if not self.done:
+            self.done = True
+            wait_work(self._work, self.what, self.group, baton=baton, wait_log=self.wait_log)
+            self._sent = None  # the send buffer must live until the exchange completed
+            if self.log is not None:  # (name, issued, waited) in perf_counter seconds, for timelines
+                self.log.append((self.what, self.start, time.perf_counter()))
+        return self.out
+
+    def settle(self) -> None:
+        """Wait for the exchange if nobody did, swallowing its error: a driver abandoning the forward (the other
+        part raised) must not leave a collective unwaited (it would hang the group's later collectives)."""
+        try:
+            self.wait()
+        except RuntimeError as exc:
+            logger.debug("abandoned %s failed too: %s", self.what, exc)
+
+
+def start_all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    *,
+    what: str = "all-to-all",
+    log: list | None = None,
+    wait_log: list | None = None,
+) -> PendingExchange:
+    """Issue the forward exchange of :func:`all_to_all` (no autograd, no wait).
+
+    Args:
+        x: ``(sum(in_splits), *rest)``; row block ``r`` goes to rank ``r``. It must stay unmodified until
+            :func:`finish_all_to_all`.
+        out_splits, in_splits, group, what, log: as :func:`all_to_all`.
+        wait_log: when given, every wait of this exchange (forward and backward) appends ``(name, start, end)``
+            of the blocked time (see :func:`wait_work`).
+
+    Returns:
+        The exchange in flight.
+    """
+    ep = dist.get_world_size(group)
+    if len(out_splits) != ep or len(in_splits) != ep or sum(in_splits) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all ({what}): need {ep} split sizes each way with sum(in_splits) == x.shape[0], got "
+            f"{in_splits=} {out_splits=} x.shape={tuple(x.shape)}"
+        )
+    sent = x.detach().contiguous()
+    out = sent.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, sent, list(out_splits), list(in_splits), group=group, async_op=True)
+    return PendingExchange(out, sent, work, (list(out_splits), list(in_splits)), group, what, log, wait_log)
+
+
+def await_exchange(pending: PendingExchange, *also: dist.Work) -> Generator[PendingExchange, None, None]:
+    """One step boundary of a ``forward_steps`` generator: yield with ``pending`` in flight.
+
+    Use as ``yield from await_exchange(pending)`` right after issuing it. If the driver abandons the generator
+    there (``close()``, or an error thrown in), ``pending`` and the other works ``also`` in flight are waited
+    first, so no collective is left unwaited.
+    """
+    try:
+        yield pending
+    except BaseException:
+        pending.settle()
+        for work in also:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                logger.debug("abandoned collective failed too: %s", exc)
+        raise
 
 
 def _exchange(
@@ -140,6 +261,7 @@ def _exchange(
     log: list | None = None,
     while_in_flight: Callable[[], object] | None = None,
     baton: ComputeBaton | None = None,
+    wait_log: list | None = None,
 ) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
@@ -149,32 +271,45 @@ def _exchange(
             while_in_flight()
         finally:
             # Waited even when the work in flight failed: a collective left unwaited would hang the group.
-            wait_work(work, what, group, baton=baton)
+            wait_work(work, what, group, baton=baton, wait_log=wait_log)
     else:
-        wait_work(work, what, group, baton=baton)
+        wait_work(work, what, group, baton=baton, wait_log=wait_log)
     if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
         log.append((what, start, time.perf_counter()))
     return out
 
 
 class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with variable splits; backward runs the same exchange the other way.
+    """The finishing half of a variable-split ``all_to_all_single``; backward runs the same exchange the other way.
 
     Shapes: ``x: (sum(in_splits), *rest)`` -> ``(sum(out_splits), *rest)``; row block ``s`` of the output
-    came from rank ``s`` of ``group``. The backward exchange runs on ``backward_group`` (same ranks; a separate
-    group lets one microbatch's forward and another's backward exchange concurrently without mixing up).
-    ``in_backward_flight`` (optional) is called while the backward exchange is in flight, before its wait.
+    came from rank ``s`` of ``group``. The forward waits for ``pending`` (started by :func:`start_all_to_all`
+    from ``x``) and returns its buffer. The backward exchange runs on ``backward_group`` (same ranks; a separate
+    group lets one microbatch's forward and another's backward exchange concurrently on two threads).
+    ``in_backward_flight`` (optional) is called while the backward exchange is in flight, before its wait; so
+    is the node's ``advance_pair`` attribute when a single-thread overlapped driver set it (it advances the
+    other microbatch's forward by one step).
     """
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, what, backward_group, log, in_backward_flight, baton):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.what, ctx.log = (out_splits, in_splits), backward_group, what, log
+    def forward(ctx, x, pending, backward_group, in_backward_flight, baton):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.what, ctx.log = pending.splits, backward_group, pending.what, pending.log
+        ctx.wait_log = pending.wait_log
         ctx.in_flight, ctx.baton = in_backward_flight, baton
-        return _exchange(x, out_splits, in_splits, group, what, log, baton=None if baton is None else baton())
+        ctx.advance_pair = None
+        return pending.wait(None if baton is None else baton())
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
+        in_flight, advance = ctx.in_flight, ctx.advance_pair
+
+        def while_in_flight() -> None:
+            if in_flight is not None:
+                in_flight()
+            if advance is not None:
+                advance()
+
         dx = _exchange(
             grad,
             in_splits,
@@ -182,20 +317,38 @@ class AllToAll(torch.autograd.Function):
             ctx.group,
             f"{ctx.what} backward",
             ctx.log,
-            ctx.in_flight,
+            while_in_flight if in_flight is not None or advance is not None else None,
             None if ctx.baton is None else ctx.baton(),  # the baton of the pair running this backward, if any
+            ctx.wait_log,
         )
-        return (
-            dx,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+        return dx, None, None, None, None
+
+
+def finish_all_to_all(
+    x: torch.Tensor,
+    pending: PendingExchange,
+    *,
+    backward_group: dist.ProcessGroup | None = None,
+    in_backward_flight: Callable[[], object] | None = None,
+    baton: Callable[[], ComputeBaton | None] | None = None,
+) -> torch.Tensor:
+    """Wait for ``pending`` (started from ``x``) and return its output, differentiable with respect to ``x``.
+
+    Args:
+        x: the tensor :func:`start_all_to_all` sent.
+        pending: its exchange in flight.
+        backward_group, in_backward_flight, baton: as :func:`all_to_all`.
+
+    Returns:
+        ``(sum(out_splits), *rest)``.
+    """
+    back = pending.group if backward_group is None else backward_group
+    if dist.get_world_size(back) != dist.get_world_size(pending.group):
+        raise ValueError(
+            f"all_to_all ({pending.what}): backward_group has {dist.get_world_size(back)} ranks, group "
+            f"{dist.get_world_size(pending.group)}"
         )
+    return AllToAll.apply(x, pending, back, in_backward_flight, baton)
 
 
 def all_to_all(
@@ -230,17 +383,12 @@ def all_to_all(
     Returns:
         ``(sum(out_splits), *rest)``.
     """
-    ep = dist.get_world_size(group)
-    if len(out_splits) != ep or len(in_splits) != ep or sum(in_splits) != x.shape[0]:
+    if backward_group is not None and dist.get_world_size(backward_group) != dist.get_world_size(group):
         raise ValueError(
-            f"all_to_all ({what}): need {ep} split sizes each way with sum(in_splits) == x.shape[0], got "
-            f"{in_splits=} {out_splits=} x.shape={tuple(x.shape)}"
+            f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group "
+            f"{dist.get_world_size(group)}"
         )
-    if backward_group is not None and dist.get_world_size(backward_group) != ep:
-        raise ValueError(
-            f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group {ep}"
-        )
-    back = group if backward_group is None else backward_group
-    return AllToAll.apply(
-        x, list(out_splits), list(in_splits), group, what, back, log, in_backward_flight, baton
+    pending = start_all_to_all(x, out_splits, in_splits, group, what=what, log=log)
+    return finish_all_to_all(
+        x, pending, backward_group=backward_group, in_backward_flight=in_backward_flight, baton=baton
     )

@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from ...core.steps import Steps, child_steps
 from ..ddp import DistributedDataParallel
 
 __all__ = ["ExpertDataParallel", "ParameterGroup", "is_expert_parameter"]
@@ -123,6 +124,15 @@ class ExpertDataParallel(nn.Module):
         for ddp in self._wrappers:
             ddp.begin_forward()
         out = self.module(*args, **kwargs)
+        for ddp in self._wrappers:
+            ddp.expect_backward(out)
+        return out
+
+    def forward_steps(self, *args: Any, **kwargs: Any) -> Steps:
+        """:meth:`forward` as steps: the model's (see :mod:`splitgrad.core.steps`)."""
+        for ddp in self._wrappers:
+            ddp.begin_forward()
+        out = yield from child_steps(self.module, *args, **kwargs)
         for ddp in self._wrappers:
             ddp.expect_backward(out)
         return out

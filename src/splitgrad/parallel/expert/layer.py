@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...core.steps import Steps, run_steps
 from ...models.config import MoEConfig
 from ...models.gpt import Norm, split_kwargs
 from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
-from .all_to_all import all_to_all, start_count_exchange, wait_work
+from .all_to_all import await_exchange, finish_all_to_all, start_all_to_all, start_count_exchange, wait_work
 from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
 
@@ -68,7 +69,8 @@ class ExpertParallelMoEMLP(MoEMLP):
         backward_group: the group the backward's all-to-alls use (same ranks as ``ep_group``); None:
             ``ep_group``. A separate group is what lets
             :func:`~splitgrad.parallel.expert.overlapped_forward_backward` run one microbatch's forward and
-            another's backward at the same time.
+            another's backward at the same time on two threads (``driver="threads"``; the single-thread
+            ``driver="steps"`` issues both parts' exchanges in a fixed order and needs none).
     """
 
     def __init__(
@@ -117,6 +119,9 @@ class ExpertParallelMoEMLP(MoEMLP):
         self.wgrad_in_dispatch = False
         #: Set to a list to record each such run as ``("expert wgrad", start, end)`` (perf_counter seconds).
         self.wgrad_log: list | None = None
+        #: Set to a list to record every blocking wait of the layer's collectives (both directions, token counts and
+        #: aux-loss all-reduce too) as ``(name, start, end)``: the time the thread was blocked (diagnostics).
+        self.wait_log: list | None = None
         #: Set by ``overlapped_forward_backward(..., exclusive_compute=True)`` for the pair: the exchanges of both
         #: directions release it while they wait (see ``baton.py``); None: plain waits.
         self.compute_baton: ComputeBaton | None = None
@@ -149,6 +154,16 @@ class ExpertParallelMoEMLP(MoEMLP):
         return [getattr(self.fc2, f"weight{j}") for j in range(self.local_experts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_steps(self.forward_steps(x))
+
+    def forward_steps(self, x: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps (see :mod:`splitgrad.core.steps`): yields right after issuing the dispatch
+        and right after issuing the combine all-to-all; returns the output ``(batch, seq, hidden)``.
+
+        The token-count exchange and the aux-loss all-reduce are no step boundaries: each is started early and
+        waited late inside a step. A single-thread driver runs other work at each yield (the other microbatch's
+        backward) while the exchange is in flight.
+        """
         shape = x.shape
         h = self.norm(x.reshape(-1, shape[-1]))
         tokens, k = h.shape[0], self.top_k
@@ -161,7 +176,7 @@ class ExpertParallelMoEMLP(MoEMLP):
         # under the permutation below instead of as a blocking step of its own. Its wait keeps the pair's
         # baton: handing the core over at this tiny exchange let the other part run a whole segment while
         # this part's dispatch, the exchange worth hiding, was not yet started (1 Gbit, delayed: 56 -> 71 %).
-        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, None)
+        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, None, self.wait_log)
         order = torch.argsort(flat, stable=True)
         copies = h.unsqueeze(1).expand(tokens, k, h.shape[-1]).reshape(-1, h.shape[-1])
         sent = copies.index_select(0, order)
@@ -170,17 +185,27 @@ class ExpertParallelMoEMLP(MoEMLP):
         stats = torch.cat([counts, counts.new_tensor([tokens])])
         stats_work = dist.all_reduce(stats, group=self.dp_group, async_op=True)
 
-        received_counts = count_exchange.wait()  # (ep, local_experts), host
+        try:
+            received_counts = count_exchange.wait()  # (ep, local_experts), host
+        except BaseException:
+            stats_work.wait()  # never leave a collective unwaited
+            raise
         in_splits = counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = received_counts.sum(1).tolist()
-        rows = all_to_all(
+        dispatch = start_all_to_all(
             sent,
             out_splits,
             in_splits,
             self.ep_group,
             what="dispatch",
-            backward_group=self.backward_group,
             log=self.comm_log,
+            wait_log=self.wait_log,
+        )
+        yield from await_exchange(dispatch, stats_work)
+        rows = finish_all_to_all(
+            sent,
+            dispatch,
+            backward_group=self.backward_group,
             in_backward_flight=self._in_dispatch_backward,
             baton=self._compute_baton,
         )
@@ -192,20 +217,22 @@ class ExpertParallelMoEMLP(MoEMLP):
         m_splits = received_counts.sum(0).tolist()
         y = self.fc1(rows.index_select(0, regroup), m_splits)
         y = self.fc2(moe_activation(y, self.activation), m_splits)
-        y = all_to_all(
-            y.index_select(0, _inverse(regroup)),
-            in_splits,
-            out_splits,
-            self.ep_group,
-            what="combine",
-            backward_group=self.backward_group,
-            log=self.comm_log,
-            baton=self._compute_baton,
+        y = y.index_select(0, _inverse(regroup))
+        combine = start_all_to_all(
+            y, in_splits, out_splits, self.ep_group, what="combine", log=self.comm_log, wait_log=self.wait_log
         )
+        yield from await_exchange(combine, stats_work)
+        y = finish_all_to_all(y, combine, backward_group=self.backward_group, baton=self._compute_baton)
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
-        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group, baton=self.compute_baton)
+        wait_work(
+            stats_work,
+            "aux-loss count all-reduce",
+            self.dp_group,
+            baton=self.compute_baton,
+            wait_log=self.wait_log,
+        )
         global_counts, global_tokens = stats[:-1], int(stats[-1])
         aux = self._aux_share(probs, global_counts, global_tokens)
         self.last_aux_loss = aux.detach()

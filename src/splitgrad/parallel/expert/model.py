@@ -24,7 +24,8 @@ class ExpertParallelMoEGPT(MoEGPT):
         dp_group: every rank whose tokens form the global batch (default ``ep_group``).
         experts: ``"module"`` (``splitgrad.GroupedLinear``) or ``"ops"`` (``splitgrad.ops.GroupedLinear``).
         ep_backward_group: a second group of the same ranks for the backward's all-to-alls (batch-level overlap
-            runs one microbatch's forward A2A while another's backward A2A is in flight).
+            with ``driver="threads"`` runs one microbatch's forward A2A while another's backward A2A is in flight
+            on another thread; ``driver="steps"`` needs none).
         device: parameter device.
     """
 

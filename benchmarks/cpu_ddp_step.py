@@ -49,7 +49,7 @@ def variants(width: int, layers: int, tokens: int) -> dict[str, Callable[[], Non
     x = torch.randn(tokens, width)
     plain, split = _model(width, layers, split=False), _model(width, layers, split=True)
     theirs = nn.parallel.DistributedDataParallel(_model(width, layers, split=True))
-    ours = DistributedDataParallel(_model(width, layers, split=True))
+    ours = DistributedDataParallel(_model(width, layers, split=True))  # lazy_zero=True (default)
     fused = DistributedDataParallel(_model(width, layers, split=True, fused=True))
     # lazy_zero=False: every buffer zeroed at once (the paired "before" of the default lazy zeroing).
     eager = DistributedDataParallel(_model(width, layers, split=True), lazy_zero=False)

@@ -201,7 +201,9 @@ def test_a_write_between_zeroing_and_the_forward(group, lazy):
     first = ddp.module[0]
     first.weight.main_grad.add_(1.0)
     if lazy:
-        with pytest.raises(RuntimeError, match=r"between zero_grad_buffer\(\) and the forward.*lazy_zero=False"):
+        with pytest.raises(
+            RuntimeError, match=r"between zero_grad_buffer\(\) and the forward.*lazy_zero=False"
+        ):
             ddp(_x())
         return
     _backward(ddp, _x())
@@ -225,7 +227,11 @@ def test_lazy_zero_refuses_an_unreported_write_into_a_marked_slice(group):
     # A layer that adds into main_grad, flags grad_added_to_main_grad and reports nothing (no hook, no .grad):
     # the slice still holds the last step's values, so its bucket refuses to reduce them.
     ddp = DistributedDataParallel(
-        _model(False), process_group=group, grad_reduce_dtype=None, bucket_size=40, allow_unused_parameters=True
+        _model(False),
+        process_group=group,
+        grad_reduce_dtype=None,
+        bucket_size=40,
+        allow_unused_parameters=True,
     )
     _stale_step(ddp)
     ddp.zero_grad_buffer()

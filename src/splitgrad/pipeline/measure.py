@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .actions import Action, Schedule
+from .replay import replay_measured
 from .simulate import SimulationResult, simulate
 from .timeline import TimelineEvent, save_png, write_chrome_trace
 
@@ -242,15 +243,20 @@ def simulate_measured(events: Iterable[TimelineEvent], schedule: Schedule) -> Si
 
 
 def bubble_report(events: Sequence[TimelineEvent], schedule: Schedule) -> str:
-    """One line: the measured bubble ratio next to the simulated ones (measured costs, and unit costs)."""
+    """One line: the measured bubble ratio next to the simulated ones (measured per-stage costs, unit costs)
+    and the replay at each action's own duration (:func:`~splitgrad.pipeline.replay.replay_measured`)."""
     measured = measured_bubble_ratio(events)
     at_costs = simulate_measured(events, schedule).bubble_ratio
     unit = simulate(schedule).bubble_ratio
+    try:
+        replayed = f", {100 * replay_measured(events, schedule).bubble_ratio:.1f}% replayed at each action's own duration"
+    except ValueError:  # events of another schedule (e.g. the step before a planner installed its plan)
+        replayed = ""
     span = max(e.end for e in events if e.is_compute) - min(e.start for e in events if e.is_compute)
     return (
         f"{schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, {schedule.n_microbatches} "
         f"microbatches, step {1e3 * span:.1f} ms: measured bubble {100 * measured:.1f}%, simulated "
-        f"{100 * at_costs:.1f}% at the measured per-stage costs ({100 * unit:.1f}% at unit costs)"
+        f"{100 * at_costs:.1f}% at the measured per-stage costs ({100 * unit:.1f}% at unit costs){replayed}"
     )
 
 

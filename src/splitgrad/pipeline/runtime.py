@@ -149,6 +149,7 @@ class PipelineRuntime:
         # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
         self._handlers: dict[ActionKind, Handler] = default_handlers()
         self._sync_open: set[int] = set()
+        self._action_cpu = 0.0
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
         """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
@@ -181,6 +182,8 @@ class PipelineRuntime:
             )
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]
+        # What each action receives, looked up once here instead of twice per action in every step.
+        self._receives = [schedule.receives(a) for a in self.actions]
         if self._distributed:
             previous, self.comm = (
                 self.comm,
@@ -239,11 +242,13 @@ class PipelineRuntime:
             if self.recorder.enabled:
                 self._barrier()
         self._sync_open = set()
+        self._action_cpu = 0.0
+        cpu_start = time.thread_time()
         self.recorder.start()
         current: Action | None = None
         try:
             if self.comm is not None:
-                for ahead in self.actions[: self.prefetch_depth]:
+                for ahead in range(min(self.prefetch_depth, len(self.actions))):
                     self._prefetch_for(ahead)
             for j, action in enumerate(self.actions):
                 current = action
@@ -255,6 +260,7 @@ class PipelineRuntime:
             if self.comm is not None:
                 self.comm.finish_step()
             duration = time.perf_counter() - self.recorder.t0
+            step_cpu = time.thread_time() - cpu_start
             losses = [self.executor.losses[i] for i in range(m)] if holds_last else []
             loss = self._step_loss(losses)
         except BaseException as exc:
@@ -276,6 +282,8 @@ class PipelineRuntime:
             duration=duration,
             w_tasks=executor.w_tasks,
             comm=None if self.comm is None else self.comm.last_stats,
+            runtime_cpu=step_cpu - self._action_cpu,
+            action_cpu=self._action_cpu,
         )
         executor.begin(None, None)
         if self.planner is not None:
@@ -284,20 +292,27 @@ class PipelineRuntime:
 
     def _run(self, j: int, action: AnyAction) -> None:
         received: dict[Transfer, torch.Tensor] = {}
-        if self.comm is not None:
-            incoming = self.schedule.receives(action)
+        comm = self.comm
+        if comm is not None:
+            # Post the receives that now enter the window (and the sends queued by the last action) before
+            # waiting for this action's inputs: a message that arrives during that wait is then already moving.
+            ahead = j + self.prefetch_depth
+            if ahead < len(self.actions):
+                self._prefetch_for(ahead)
+            incoming = self._receives[j]
             for transfer in incoming:
-                received[transfer] = self.comm.receive(transfer, action)
+                received[transfer] = comm.receive(transfer, action)
             if not incoming:
-                self.comm.flush(action)
-            # Post the receive that now enters the window (the ones before it were posted earlier).
-            if j + self.prefetch_depth < len(self.actions):
-                self._prefetch_for(self.actions[j + self.prefetch_depth])
+                comm.flush(action)
         with self.recorder.action(action):
+            cpu = time.thread_time()
             self._handlers[action.kind](self, action, received)
+            self._action_cpu += time.thread_time() - cpu
 
-    def _prefetch_for(self, action: AnyAction) -> None:
-        for transfer in self.schedule.receives(action):
+    def _prefetch_for(self, j: int) -> None:
+        """Post (without blocking) the receives of this rank's ``j``-th action."""
+        action = self.actions[j]
+        for transfer in self._receives[j]:
             self.comm.prefetch(transfer, action)
 
     def reset_shapes(self) -> None:

@@ -15,7 +15,9 @@ accelerators). Rules, all derived from the schedule so both ends agree without t
   channel's is refused on the sending side, naming the action.
 * **Batching.** Sends are queued after an action and posted together with the next receive in one
   ``batch_isend_irecv`` call (one NCCL group: the "send forward, receive backward" pairing of 1F1B), or
-  flushed before the next compute when no receive comes first.
+  flushed before the next compute when no receive comes first. A backend that cannot coalesce (gloo) gets
+  the same ops posted one by one with ``isend``/``irecv``, which is all ``batch_isend_irecv`` does there,
+  without its per-call checks (about 50 us of CPU per call on the development machine).
 * **Release.** gloo reports a send complete only once it is waited, so a sent tensor is waited (and freed)
   as soon as the schedule proves its peer consumed it: a message the peer produced at or after the action
   that used it has arrived. The rest are waited at the end of the step.
@@ -75,6 +77,8 @@ class PipelineComm:
         self.device = device
         self.timeout = float(timeout)
         self.prefetch_enabled = prefetch
+        # NCCL groups a batch into one launch; elsewhere a batch is the ops posted one by one.
+        self._coalesce = dist.get_backend(group) == "nccl"
         self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
         # Messages from each peer in that peer's send order, and which of them open a channel (carry a header
@@ -227,7 +231,10 @@ class PipelineComm:
         if not ops:
             return []
         try:
-            works = dist.batch_isend_irecv(ops)
+            if self._coalesce:
+                works = dist.batch_isend_irecv(ops)
+            else:
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         except Exception as exc:
             sends = sorted({str(a) for _, a in state.queued_about})
             peers = sorted(

@@ -1,7 +1,8 @@
 """The pipeline runtime's own CPU per action, measured load-independently on 2 gloo ranks with tiny tensors.
 
 Run: ``.venv/bin/python benchmarks/profile_pipeline_runtime.py [--schedules 1f1b zb-h1 zbv] [--steps 20]
-[--cprofile]``.
+[--cprofile] [--bench-model]`` (``--bench-model``: ``bench_pipeline.py``'s model and data instead, where the
+same figure includes what large messages and cold caches add).
 
 With 8 x 8 blocks the actions' compute is small, so what is left is the interpreter: posting and completing
 messages, the loop, timeline bookkeeping. Every figure is this rank's *thread CPU time*
@@ -27,8 +28,8 @@ from splitgrad.pipeline.build import build_runtime
 from splitgrad.testing import spawn
 
 
-def run_rank(rank: int, world: int, schedule: str, steps: int, profile: bool) -> dict:
-    cfg = BenchConfig(hidden=8, ffn=8, tokens=8, seq=4, n_microbatches=8)
+def run_rank(rank: int, world: int, schedule: str, steps: int, profile: bool, bench_model: bool) -> dict:
+    cfg = BenchConfig() if bench_model else BenchConfig(hidden=8, ffn=8, tokens=8, seq=4, n_microbatches=8)
     n_stages = 4 if schedule.startswith("zbv") else 2
     rt = build_runtime(
         cut(cfg, True, n_stages), schedule, loss_fn=F.mse_loss, n_microbatches=cfg.n_microbatches
@@ -52,7 +53,10 @@ def run_rank(rank: int, world: int, schedule: str, steps: int, profile: bool) ->
     out = {"actions": len(rt.actions), "runtime": runtime, "action": action}
     if profiler is not None:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        # What the interpreter loop itself calls, apart from the handlers.
+        stats.sort_stats("cumulative").print_callees(r"runtime.py.*\(_run\)")
         out["profile"] = text.getvalue()
     return out
 
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1", "zbv"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cprofile", action="store_true", help="rank 0's top functions by CPU time")
+    parser.add_argument("--bench-model", action="store_true", help="bench_pipeline.py's model and data")
     args = parser.parse_args()
     print(
         "| schedule | actions per rank | runtime CPU per action, r0 / r1 (us) | handler CPU per action (us) |"
@@ -69,7 +74,9 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     profiles = []
     for name in args.schedules:
-        ranks = spawn(run_rank, 2, name, args.steps, args.cprofile, timeout=900, pg_timeout=300)
+        ranks = spawn(
+            run_rank, 2, name, args.steps, args.cprofile, args.bench_model, timeout=1800, pg_timeout=600
+        )
         runtime = " / ".join(f"{1e6 * statistics.median(r['runtime']):.0f}" for r in ranks)
         action = " / ".join(f"{1e6 * statistics.median(r['action']):.0f}" for r in ranks)
         print(f"| {name} | {ranks[0]['actions']} | {runtime} | {action} |")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,14 @@ from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
 from .handlers import Handler, default_handlers
-from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
+from .measure import (
+    ActivationMeter,
+    TimelineRecorder,
+    bubble_report,
+    gather_events,
+    profiler_active,
+    save_measured_timeline,
+)
 from .passes import add_grad_sync, has_grad_sync
 from .runtime_setup import StepResult, own_stages, resolve_pipeline_rank
 from .timeline import TimelineEvent
@@ -304,8 +312,9 @@ class PipelineRuntime:
             # buffers are held (posting them before the wait above would hold one more during it).
             if j + self.prefetch_depth < len(self.actions):
                 self._prefetch_for(j + self.prefetch_depth)
-        # The recorder's action() block, inlined: this runs once per action.
-        with torch.profiler.record_function(self._names[j]):
+        # The recorder's action() block, inlined (this runs once per action); the named profiler range only
+        # while a profiler records.
+        with torch.profiler.record_function(self._names[j]) if profiler_active() else nullcontext():
             start, cpu = time.perf_counter(), time.thread_time()
             self._handlers[action.kind](self, action, received)
             self._action_cpu += time.thread_time() - cpu

@@ -15,6 +15,9 @@ with *receives* blocking and sends posted asynchronously (``isend``), which is h
 ``torch.distributed.pipelining`` and the splitgrad runtime execute schedules. The schedule deadlocks exactly
 when some rank waits for an input that can never be produced, i.e. when no rank can make progress.
 
+With ``durations`` every action costs its own given time instead of its stage's (the replay of a measured
+step, :mod:`~splitgrad.pipeline.replay`); the dependencies and the blocking model are the same.
+
 The loop is O(total actions): a rank runs until it blocks, registers itself under the one input it waits for,
 and is woken when that input is produced. Start times depend only on already-known end times, so the order in
 which ranks are advanced never changes the result.

@@ -33,9 +33,14 @@ What is measured, in two 2-rank spawns (every variant in each, run round-robin s
 The last table reads off issue 13 item 5 in one run: per splitgrad schedule and activation rank, the
 measured bubble next to the simulated one at the measured per-stage costs (target: within 0.01), the
 throughput over PyTorch's best zero-bubble variant of the same activations (native or through the adapter;
-target >= 1.00), and the receive buffers the runtime held posted ahead (rank 0). On a shared machine run it
-in the rate-limited namespace: ``python benchmarks/_netns.py --rate 4gbit -- .venv/bin/python
-benchmarks/bench_pipeline.py``.
+target >= 1.00), and the receive buffers the runtime held posted ahead (rank 0). Next to it, each step
+replayed at its own per-action durations (:func:`splitgrad.pipeline.replay.replay_measured`: the simulator's
+engine without the compute jitter a median-cost simulation cannot see): measured - replay is the runtime's
+overhead, split on the longest-span rank into dispatch / transport / propagated ms per step
+(:func:`~splitgrad.pipeline.replay.overhead_split`), and rank 0's runtime CPU per action outside the handlers
+(``StepResult.runtime_cpu``). On a shared machine run it in the rate-limited namespace: ``python
+benchmarks/_netns.py --rate 4gbit -- .venv/bin/python benchmarks/bench_pipeline.py``; ``--quick`` (tiny
+sizes, about a minute) only proves it runs.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from torch import nn
 import splitgrad
 from splitgrad.pipeline.build import build_runtime
 from splitgrad.pipeline.measure import gather_events, measured_bubble_ratio, simulate_measured
+from splitgrad.pipeline.replay import overhead_split, replay_measured
 from splitgrad.pipeline.timeline import TimelineEvent
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import SpawnError, spawn
@@ -203,6 +209,7 @@ class SplitgradVariant:
     def step(self) -> list[TimelineEvent]:
         result = self.rt.step(self.x, self.y)
         self.recv_peak = result.comm.peak_recv_bytes if result.comm is not None else 0
+        self.runtime_cpu = result.runtime_cpu / len(self.rt.actions)
         return result.events
 
 
@@ -301,12 +308,13 @@ def run_rank(rank: int, world: int, cfg_fields: dict, memory: bool) -> dict:
                     samples[key].append(max(sampler.peak - base, 0) + held[key])
                     continue
                 merged = gather_events(events, dst=0)
-                simulated, recv_peak = None, None
+                simulated, recv_peak, realised = None, None, None
                 if isinstance(variant, SplitgradVariant):
                     recv_peak = variant.recv_peak
                     if merged:
                         simulated = simulate_measured(merged, variant.schedule).bubble_ratio
-                samples[key].append((elapsed, merged, simulated, recv_peak))
+                        realised = realisation(merged, variant.schedule, variant.runtime_cpu)
+                samples[key].append((elapsed, merged, simulated, recv_peak, realised))
     finally:
         if sampler:
             sampler.close()
@@ -359,6 +367,26 @@ def native_attempt(rank: int, world: int, cfg_fields: dict, schedule: str) -> st
     return "ran"
 
 
+def realisation(events: list[TimelineEvent], schedule, runtime_cpu: float) -> dict[str, float]:
+    """One step replayed at its own per-action durations, and the longest-span rank's overhead split (ms).
+
+    ``runtime_cpu``: rank 0's CPU seconds per action outside the handlers (``StepResult.runtime_cpu``).
+    """
+    replay = replay_measured(events, schedule)
+    split = overhead_split(events, schedule, replay)
+    critical = max(range(len(split)), key=lambda r: split[r].span)
+    worst = split[critical]
+    return {
+        "replay": replay.bubble_ratio,
+        "rank": critical,
+        "dispatch": 1e3 * worst.dispatch,
+        "transport": 1e3 * worst.transport,
+        "propagated": 1e3 * worst.propagated,
+        "overhead": 1e3 * worst.overhead,
+        "cpu_us": 1e6 * runtime_cpu,
+    }
+
+
 def _rank_compute(events: list[TimelineEvent]) -> dict[int, float]:
     """Seconds of compute events per rank."""
     out: dict[int, float] = {}
@@ -393,12 +421,24 @@ def summarize(cfg: BenchConfig, timing: list[dict], memory: list[dict]) -> dict[
             # Receive buffers posted ahead and not yet used, at most (rank 0; splitgrad's runtime only).
             "recv_held": max((s[3] for s in per_round if s[3] is not None), default=None),
             "held": [r["held"][key] / 2**20 for r in memory],
+            # Replay at the measured per-action durations and the overhead split: medians over rounds.
+            "realised": _median_fields([s[4] for s in per_round if s[4] is not None]),
         }
     for key, row in rows.items():
         tag = key.split("|")[0]
         row["eff"] = rows[f"{tag}|{REF}"]["step"] / (2 * row["step"])
         row["eff2"] = rows[f"{tag}|{REF2}"]["step"] / (2 * row["step"])
     return rows
+
+
+def _median_fields(dicts: list[dict[str, float]]) -> dict[str, float] | None:
+    """Field-wise median of equally keyed dicts (None when there are none)."""
+    if not dicts:
+        return None
+    return {
+        k: (statistics.median_low if k == "rank" else statistics.median)(d[k] for d in dicts)
+        for k in dicts[0]
+    }
 
 
 def _cells(values, fmt: str) -> str:
@@ -476,15 +516,23 @@ def print_report(
 def print_realisation(rows: dict[str, dict]) -> None:
     """Issue 13 item 5, read off one run: per splitgrad schedule, measured bubble within 0.01 of the simulated
     one (at the measured per-stage costs), and throughput at least PyTorch's best zero-bubble schedule on the
-    same work (2-D: native or through the adapter; 3-D: through the adapter, PyTorch's own split fails)."""
+    same work (2-D: native or through the adapter; 3-D: through the adapter, PyTorch's own split fails).
+
+    Next to it, the step replayed at its own per-action durations (:func:`splitgrad.pipeline.replay.replay_measured`):
+    measured - replay is the runtime's overhead without compute jitter, split on the longest-span rank into
+    dispatch (idle with every input produced: Python between actions), transport (in a receive wait after the
+    producer had finished) and propagated (waiting beyond the replay's for a producer delayed on its own rank);
+    dispatch + transport + propagated = measured span - replay span. Medians over rounds, ms per step."""
     print(
         "\nRealising the simulator (targets: measured - simulated <= 0.010; throughput / best torch ZB >= 1.00)\n"
     )
     print(
         "| act. | variant | measured bubble | simulated (measured costs) | measured - simulated "
-        "| throughput / best torch ZB | best torch ZB | receive buffers held, rank 0 (MiB) |"
+        "| throughput / best torch ZB | best torch ZB | receive buffers held, rank 0 (MiB) | replay bubble "
+        "| measured - replay | overhead on rank: dispatch / transport / propagated (ms per step) "
+        "| runtime CPU per action, rank 0 (us) |"
     )
-    print("|---|---|---:|---:|---:|---:|---|---:|")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|")
     for tag in ("2-D", "3-D"):
         row = {k.split("|")[1]: v for k, v in rows.items() if k.startswith(tag)}
         zb = {n: r["tok_s"] for n, r in row.items() if n.startswith("torch") and "ZB" in n}
@@ -494,9 +542,19 @@ def print_realisation(rows: dict[str, dict]) -> None:
             gap = None if None in (r["bubble"], r["simulated"]) else r["bubble"] - r["simulated"]
             ratio = r["tok_s"] / zb[best] if best else None
             held = None if r["recv_held"] is None else r["recv_held"] / 2**20
+            real = r["realised"] or {}
+            replay = real.get("replay")
+            beyond = None if None in (r["bubble"], replay) else r["bubble"] - replay
+            split = (
+                f"r{real['rank']}: {real['dispatch']:.1f} / {real['transport']:.1f} / {real['propagated']:+.1f}"
+                if real
+                else "-"
+            )
             print(
                 f"| {tag} | {name} | {_cells([r['bubble']], '.3f')} | {_cells([r['simulated']], '.3f')} "
-                f"| {_cells([gap], '+.3f')} | {_cells([ratio], '.3f')} | {best or '-'} | {_cells([held], '.1f')} |"
+                f"| {_cells([gap], '+.3f')} | {_cells([ratio], '.3f')} | {best or '-'} | {_cells([held], '.1f')} "
+                f"| {_cells([replay], '.3f')} | {_cells([beyond], '+.3f')} | {split} "
+                f"| {_cells([real.get('cpu_us')], '.0f')} |"
             )
 
 

@@ -14,8 +14,15 @@ both ranks (``time.perf_counter`` is one clock for every process of a host):
 * ``moved``: the rest of the wait, from the moment both ends had posted until the data was in hand
   (transport: header round trips, a receive posted too late, the copy itself).
 
-Also per rank: CPU seconds of the step (``time.process_time``) next to its span, shape headers exchanged,
-receives posted ahead, sends released early, and the peak bytes of receive buffers and unconfirmed sends held.
+Also per rank: CPU seconds of the step (``time.process_time``) next to its span, the runtime's own CPU per
+action outside the handlers (``StepResult.runtime_cpu``), shape headers exchanged, receives posted ahead, sends
+released early, and the peak bytes of receive buffers and unconfirmed sends held.
+
+And per step and rank, the step replayed at its own per-action durations
+(:func:`splitgrad.pipeline.replay.replay_measured`, the simulator's engine) and
+:func:`~splitgrad.pipeline.replay.overhead_split`: measured span - replay span = dispatch (idle with every input
+produced, no receive running: Python between actions) + transport (in a receive wait after the producer had
+finished) + propagated (waiting beyond the replay's for a producer delayed on its own rank).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from bench_pipeline import BenchConfig, batch, cut
 from splitgrad.pipeline.build import build_runtime
 from splitgrad.pipeline.measure import gather_events, idle_breakdown, measured_bubble_ratio, simulate_measured
+from splitgrad.pipeline.replay import overhead_split, replay_measured
 from splitgrad.testing import spawn
 
 
@@ -59,11 +67,14 @@ def run_rank(
         out["steps"].append(
             {
                 "cpu": cpu,
+                "runtime_cpu": result.runtime_cpu,
                 "actions": len(rt.actions),
                 "events": events,
                 "bubble": None if events is None else measured_bubble_ratio(events),
                 "simulated": None if events is None else simulate_measured(events, rt.schedule).bubble_ratio,
                 "idle": None if events is None else idle_breakdown(events),
+                "replay": None if events is None else replay_measured(events, rt.schedule).bubble_ratio,
+                "split": None if events is None else overhead_split(events, rt.schedule),
                 "receives": [(r.label, r.posted, r.needed, r.done, r.tag) for r in stats.receives],
                 "send_posted": dict(stats.send_posted),
                 "counts": {
@@ -124,14 +135,25 @@ def main() -> None:
     print(
         f"{args.schedule} on 2 gloo ranks, prefetch_depth={args.prefetch_depth}, {headers}: {asdict(cfg)}\n"
     )
-    print("| step | measured bubble | simulated (measured costs) | rank: compute / recv wait / other (ms) |")
-    print("|---:|---:|---:|---|")
+    print(
+        "| step | measured bubble | simulated (measured costs) | replay (own durations) "
+        "| rank: compute / recv wait / other (ms) "
+        "| rank: measured - replay = dispatch + transport + propagated (ms) |"
+    )
+    print("|---:|---:|---:|---:|---|---|")
     for i, step in enumerate(ranks[0]["steps"]):
         idle = "; ".join(
             f"r{r}: {1e3 * v['compute']:.0f} / {1e3 * v['recv_wait']:.1f} / {1e3 * v['other']:.1f}"
             for r, v in step["idle"].items()
         )
-        print(f"| {i} | {step['bubble']:.4f} | {step['simulated']:.4f} | {idle} |")
+        split = "; ".join(
+            f"r{r}: {1e3 * v.overhead:.1f} = {1e3 * v.dispatch:.1f} + {1e3 * v.transport:.1f} "
+            f"+ {1e3 * v.propagated:+.1f}"
+            for r, v in enumerate(step["split"])
+        )
+        print(
+            f"| {i} | {step['bubble']:.4f} | {step['simulated']:.4f} | {step['replay']:.4f} | {idle} | {split} |"
+        )
     print()
     for i in range(args.steps):
         for r in (0, 1):
@@ -144,7 +166,8 @@ def main() -> None:
             print(
                 f"step {i} rank {r}: CPU {1e3 * mine['cpu']:.0f} ms in a {span_ms:.0f} ms span; waits {total[0]:.1f} ms "
                 f"= producer late {total[1]:.1f} + moving {total[2]:.1f}; other {other:.1f} ms over "
-                f"{mine['actions']} actions ({1e3 * other / mine['actions']:.0f} us each); median lead "
+                f"{mine['actions']} actions ({1e3 * other / mine['actions']:.0f} us each; runtime CPU "
+                f"{1e6 * mine['runtime_cpu'] / mine['actions']:.0f} us each); median lead "
                 f"{statistics.median(row[1] for row in rows) if rows else 0:.1f} ms; posted before the peer's "
                 f"send {sum(row[5] for row in rows)}/{len(rows)}; {mine['counts']}"
             )

@@ -175,6 +175,14 @@ def test_timeline_gathered_and_rendered(two_rank_results):
     assert set(tl["names"]) == expected
     assert tl["comm"] > 0
     assert 0.0 <= tl["measured"] < 1.0 and 0.0 <= tl["simulated_measured_costs"] < 1.0
+    # The runtime's events replay through the simulator's engine, and the overhead split adds up on real events.
+    assert 0.0 <= tl["replay"] < 1.0 and "replayed" in tl["report"]
+    assert len(tl["split"]) == 2
+    for overhead, dispatch, transport, propagated, producer_wait in tl["split"]:
+        assert min(dispatch, transport, producer_wait) >= 0.0
+        assert overhead == pytest.approx(dispatch + transport + propagated, abs=1e-9)
+    runtime_cpu, action_cpu = tl["cpu"]
+    assert runtime_cpu > 0.0 and action_cpu > 0.0  # the runtime's own CPU is measured apart from the actions'
     trace_path, png_path = map(Path, tl["files"])
     trace = json.loads(trace_path.read_text())
     assert {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= expected

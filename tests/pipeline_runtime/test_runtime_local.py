@@ -20,7 +20,12 @@ from splitgrad.pipeline import Action, ActionKind, Schedule, build_schedule, sim
 from splitgrad.pipeline.build import build_runtime, sequential_stages
 from splitgrad.pipeline.comm import decode_header, encode_header
 from splitgrad.pipeline.executor import split_microbatches
-from splitgrad.pipeline.measure import measured_bubble_ratio, measured_costs, simulate_measured
+from splitgrad.pipeline.measure import (
+    measured_bubble_ratio,
+    measured_costs,
+    profiler_active,
+    simulate_measured,
+)
 from splitgrad.pipeline.runtime import PipelineRuntime
 
 from .workers import ATOL, RTOL, SPLIT, mlp_blocks
@@ -216,6 +221,13 @@ def test_profiler_ranges_carry_action_names():
         rt.step(*_data(2))
     names = {e.name for e in prof.events()}
     assert {a.name for a in rt.actions} <= names
+    # The ranges are opened only while a profiler records (they cost CPU per action and nothing sees them).
+    assert not profiler_active()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert profiler_active()
+    with torch.autograd.profiler.profile():
+        assert profiler_active()
+    assert not profiler_active()
 
 
 def test_activation_meter_counts_what_the_schedule_keeps_alive():

@@ -32,6 +32,7 @@ from splitgrad.pipeline import build_schedule
 from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
 from splitgrad.pipeline.comm import PipelineComm
 from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
+from splitgrad.pipeline.replay import overhead_split, replay_measured
 from splitgrad.pipeline.runtime import PipelineRuntime
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -452,9 +453,13 @@ def timeline_check(rank: int, world: int, out_dir: str) -> dict:
     report = rt.timeline_report(result, os.path.join(out_dir, "zb-h1"))
     if events is None:
         return {"rank": rank, "report": report}
+    split = overhead_split(events, rt.schedule)
     return {
         "rank": rank,
         "report": report,
+        "replay": replay_measured(events, rt.schedule).bubble_ratio,
+        "split": [(o.overhead, o.dispatch, o.transport, o.propagated, o.producer_wait) for o in split],
+        "cpu": (result.runtime_cpu, result.action_cpu),
         "names": sorted({e.name for e in events if e.is_compute}),
         "comm": sum(1 for e in events if e.kind == "comm"),
         "measured": measured_bubble_ratio(events),

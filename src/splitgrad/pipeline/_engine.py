@@ -15,6 +15,9 @@ with *receives* blocking and sends posted asynchronously (``isend``), which is h
 ``torch.distributed.pipelining`` and the splitgrad runtime execute schedules. The schedule deadlocks exactly
 when some rank waits for an input that can never be produced, i.e. when no rank can make progress.
 
+With ``durations`` every action costs its own given time instead of its stage's (the replay of a measured
+step, :mod:`~splitgrad.pipeline.replay`); the dependencies and the blocking model are the same.
+
 The loop is O(total actions): a rank runs until it blocks, registers itself under the one input it waits for,
 and is woken when that input is produced. Start times depend only on already-known end times, so the order in
 which ranks are advanced never changes the result.
@@ -64,12 +67,14 @@ def run_engine(
     *,
     sync: Sequence[float] | None = None,
     overlap: float = 0.0,
+    durations: Sequence[Sequence[float]] | None = None,
 ) -> EngineRun:
     """Execute ``schedule`` under the blocking model with per-stage costs ``f``, ``b``, ``w``.
 
     The caller guarantees stage/microbatch indices are in range and each action sits on its stage's rank
     (:func:`validate` checks that first). ``BW`` costs ``b + w``; ``RF`` costs ``sync[s]`` (default 0); an
-    overlapped pair hides ``overlap`` (0..1) of its shorter part.
+    overlapped pair hides ``overlap`` (0..1) of its shorter part. ``durations[r][j]``, when given, replaces
+    the cost of rank ``r``'s ``j``-th action (any kind): a replay of measured actions under the same model.
     """
     m = schedule.n_microbatches
     n_stages = schedule.n_stages
@@ -143,6 +148,7 @@ def run_engine(
         t = free[r]
         st_append = starts[r].append
         en_append = ends[r].append
+        own = None if durations is None else durations[r]
         while p < n_acts:
             a = acts[p]
             if a.__class__ is Overlap:
@@ -156,7 +162,7 @@ def run_engine(
                     refused[r] = True
                     break
                 cf, cb = f[fs], (b[bs] if bk is B else bw[bs])
-                e = ready + cf + cb - overlap * (cf if cf < cb else cb)
+                e = ready + (cf + cb - overlap * (cf if cf < cb else cb) if own is None else own[p])
                 fend[fidx] = e
                 gend[bidx] = e
                 split[bidx] = bk is B
@@ -166,7 +172,7 @@ def run_engine(
                 s, k, i = a
                 if i is None:  # gradient-sync point: no inputs
                     ready = t
-                    e = t + sync_cost[s] if k is _RF else t
+                    e = t + (own[p] if own is not None else sync_cost[s] if k is _RF else 0.0)
                 elif k is F:
                     idx = s * m + i
                     if (ready := f_ready(s, idx, t, r)) is None:
@@ -174,7 +180,7 @@ def run_engine(
                     if fend[idx] is not None:
                         refused[r] = True
                         break
-                    e = ready + f[s]
+                    e = ready + (f[s] if own is None else own[p])
                     fend[idx] = e
                     if wait_f:
                         wake(wait_f, idx)
@@ -188,7 +194,7 @@ def run_engine(
                         refused[r] = True
                         break
                     ready = d if d > t else t
-                    e = ready + w[s]
+                    e = ready + (w[s] if own is None else own[p])
                     wdone[idx] = True
                 else:  # B or BW
                     idx = s * m + i
@@ -198,10 +204,10 @@ def run_engine(
                         refused[r] = True
                         break
                     if k is B:
-                        e = ready + b[s]
+                        e = ready + (b[s] if own is None else own[p])
                         split[idx] = True
                     else:
-                        e = ready + bw[s]
+                        e = ready + (bw[s] if own is None else own[p])
                     gend[idx] = e
                     if wait_g:
                         wake(wait_g, idx)

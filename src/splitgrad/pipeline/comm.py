@@ -15,7 +15,10 @@ accelerators). Rules, all derived from the schedule so both ends agree without t
   channel's is refused on the sending side, naming the action.
 * **Batching.** Sends are queued after an action and posted together with the next receive in one
   ``batch_isend_irecv`` call (one NCCL group: the "send forward, receive backward" pairing of 1F1B), or
-  flushed before the next compute when no receive comes first.
+  flushed before the next compute when no receive comes first. A backend that cannot coalesce (gloo) gets
+  the same ops posted one by one on the process group (``ProcessGroup.send`` / ``recv``), which is all
+  ``batch_isend_irecv`` and ``isend`` / ``irecv`` do there after their argument checks (on the development
+  machine about 60 and 20 us of CPU per call, next to about 80 us for gloo's own posting of a send).
 * **Release.** gloo reports a send complete only once it is waited, so a sent tensor is waited (and freed)
   as soon as the schedule proves its peer consumed it: a message the peer produced at or after the action
   that used it has arrived. The rest are waited at the end of the step.
@@ -75,6 +78,10 @@ class PipelineComm:
         self.device = device
         self.timeout = float(timeout)
         self.prefetch_enabled = prefetch
+        # NCCL groups a batch into one launch; elsewhere a batch is the ops posted one by one, straight on
+        # the process group (what dist.isend / irecv do after their argument checks).
+        self._coalesce = dist.get_backend(group) == "nccl"
+        self._pg = group if group is not None else dist.group.WORLD
         self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
         # Messages from each peer in that peer's send order, and which of them open a channel (carry a header
@@ -227,7 +234,10 @@ class PipelineComm:
         if not ops:
             return []
         try:
-            works = dist.batch_isend_irecv(ops)
+            if self._coalesce:
+                works = dist.batch_isend_irecv(ops)
+            else:
+                works = [self._post(op) for op in ops]
         except Exception as exc:
             sends = sorted({str(a) for _, a in state.queued_about})
             peers = sorted(
@@ -248,6 +258,12 @@ class PipelineComm:
                 state.stats.send_posted.setdefault(op.tag, now)
         state.queued, state.queued_about = [], []
         return works[n_send:]
+
+    def _post(self, op: dist.P2POp) -> dist.Work:
+        """Post one op on the process group (``op.group_peer`` is the peer's rank in it)."""
+        tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
+        post = self._pg.send if op.op is dist.isend else self._pg.recv
+        return post([tensor], op.group_peer, op.tag)
 
     # -- receiving ---------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .actions import Action, Schedule
+from .replay import replay_measured
 from .simulate import SimulationResult, simulate
 from .timeline import TimelineEvent, save_png, write_chrome_trace
 
@@ -35,6 +36,7 @@ __all__ = [
     "idle_breakdown",
     "measured_bubble_ratio",
     "measured_costs",
+    "profiler_active",
     "save_measured_timeline",
     "simulate_measured",
 ]
@@ -42,11 +44,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording on this thread's process (autograd profiler or Kineto).
+
+    The runtime opens its per-action ``record_function`` ranges only then: a range costs about 8 us of CPU
+    on a warm cache and several times that right after a long GEMM, once per action, and nothing sees it
+    without a profiler. ``torch.autograd._profiler_enabled`` is the check torch's own modules use; without
+    it (another torch version) ranges are always opened.
+    """
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return True if enabled is None else bool(enabled())
+
+
 class TimelineRecorder:
     """Collects one rank's :class:`TimelineEvent`\\ s (seconds since the step's ``t0``).
 
-    Every action also opens a ``torch.profiler.record_function`` range named like the action (``"1F0"``), so
-    a profiler trace shows the same names, whether or not timeline recording is enabled.
+    :meth:`action` also opens a ``torch.profiler.record_function`` range named like the action (``"1F0"``), so
+    a profiler trace shows the same names, whether or not timeline recording is enabled (the runtime times
+    its actions itself and opens the range only while a profiler records, see :func:`profiler_active`).
 
     Args:
         rank: the pipeline rank the events are attributed to.
@@ -71,6 +86,11 @@ class TimelineRecorder:
             start = time.perf_counter()
             yield
             end = time.perf_counter()
+        self.record(action, start, end)
+
+    def record(self, action: Action, start: float, end: float) -> None:
+        """Record ``action``'s compute event over ``[start, end)`` (``perf_counter`` values) when enabled; the
+        runtime times its actions itself and calls this, which costs less than the :meth:`action` block."""
         if self.enabled:
             self.events.append(TimelineEvent.from_action(self.rank, action, start - self.t0, end - self.t0))
 
@@ -242,15 +262,20 @@ def simulate_measured(events: Iterable[TimelineEvent], schedule: Schedule) -> Si
 
 
 def bubble_report(events: Sequence[TimelineEvent], schedule: Schedule) -> str:
-    """One line: the measured bubble ratio next to the simulated ones (measured costs, and unit costs)."""
+    """One line: the measured bubble ratio next to the simulated ones (measured per-stage costs, unit costs)
+    and the replay at each action's own duration (:func:`~splitgrad.pipeline.replay.replay_measured`)."""
     measured = measured_bubble_ratio(events)
     at_costs = simulate_measured(events, schedule).bubble_ratio
     unit = simulate(schedule).bubble_ratio
+    try:
+        replayed = f", {100 * replay_measured(events, schedule).bubble_ratio:.1f}% replayed at each action's own duration"
+    except ValueError:  # events of another schedule (e.g. the step before a planner installed its plan)
+        replayed = ""
     span = max(e.end for e in events if e.is_compute) - min(e.start for e in events if e.is_compute)
     return (
         f"{schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, {schedule.n_microbatches} "
         f"microbatches, step {1e3 * span:.1f} ms: measured bubble {100 * measured:.1f}%, simulated "
-        f"{100 * at_costs:.1f}% at the measured per-stage costs ({100 * unit:.1f}% at unit costs)"
+        f"{100 * at_costs:.1f}% at the measured per-stage costs ({100 * unit:.1f}% at unit costs){replayed}"
     )
 
 

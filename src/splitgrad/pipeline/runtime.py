@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,14 @@ from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
 from .handlers import Handler, default_handlers
-from .measure import ActivationMeter, TimelineRecorder, bubble_report, gather_events, save_measured_timeline
+from .measure import (
+    ActivationMeter,
+    TimelineRecorder,
+    bubble_report,
+    gather_events,
+    profiler_active,
+    save_measured_timeline,
+)
 from .passes import add_grad_sync, has_grad_sync
 from .runtime_setup import StepResult, own_stages, resolve_pipeline_rank
 from .timeline import TimelineEvent
@@ -149,6 +157,7 @@ class PipelineRuntime:
         # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
         self._handlers: dict[ActionKind, Handler] = default_handlers()
         self._sync_open: set[int] = set()
+        self._action_cpu = 0.0
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
         """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
@@ -181,6 +190,9 @@ class PipelineRuntime:
             )
         self.schedule = schedule
         self.actions = schedule.rank_actions[self.rank]
+        # What each action receives and its profiler range name, looked up once here instead of in every step.
+        self._receives = [schedule.receives(a) for a in self.actions]
+        self._names = [a.name for a in self.actions]
         if self._distributed:
             previous, self.comm = (
                 self.comm,
@@ -239,11 +251,13 @@ class PipelineRuntime:
             if self.recorder.enabled:
                 self._barrier()
         self._sync_open = set()
+        self._action_cpu = 0.0
+        cpu_start = time.thread_time()
         self.recorder.start()
         current: Action | None = None
         try:
             if self.comm is not None:
-                for ahead in self.actions[: self.prefetch_depth]:
+                for ahead in range(min(self.prefetch_depth, len(self.actions))):
                     self._prefetch_for(ahead)
             for j, action in enumerate(self.actions):
                 current = action
@@ -255,6 +269,7 @@ class PipelineRuntime:
             if self.comm is not None:
                 self.comm.finish_step()
             duration = time.perf_counter() - self.recorder.t0
+            step_cpu = time.thread_time() - cpu_start
             losses = [self.executor.losses[i] for i in range(m)] if holds_last else []
             loss = self._step_loss(losses)
         except BaseException as exc:
@@ -276,6 +291,8 @@ class PipelineRuntime:
             duration=duration,
             w_tasks=executor.w_tasks,
             comm=None if self.comm is None else self.comm.last_stats,
+            runtime_cpu=step_cpu - self._action_cpu,
+            action_cpu=self._action_cpu,
         )
         executor.begin(None, None)
         if self.planner is not None:
@@ -284,20 +301,30 @@ class PipelineRuntime:
 
     def _run(self, j: int, action: AnyAction) -> None:
         received: dict[Transfer, torch.Tensor] = {}
-        if self.comm is not None:
-            incoming = self.schedule.receives(action)
+        comm = self.comm
+        if comm is not None:
+            incoming = self._receives[j]
             for transfer in incoming:
-                received[transfer] = self.comm.receive(transfer, action)
+                received[transfer] = comm.receive(transfer, action)
             if not incoming:
-                self.comm.flush(action)
-            # Post the receive that now enters the window (the ones before it were posted earlier).
+                comm.flush(action)
+            # Post the receives that now enter the window only now, so that at most prefetch_depth actions'
+            # buffers are held (posting them before the wait above would hold one more during it).
             if j + self.prefetch_depth < len(self.actions):
-                self._prefetch_for(self.actions[j + self.prefetch_depth])
-        with self.recorder.action(action):
+                self._prefetch_for(j + self.prefetch_depth)
+        # The recorder's action() block, inlined (this runs once per action); the named profiler range only
+        # while a profiler records.
+        with torch.profiler.record_function(self._names[j]) if profiler_active() else nullcontext():
+            start, cpu = time.perf_counter(), time.thread_time()
             self._handlers[action.kind](self, action, received)
+            self._action_cpu += time.thread_time() - cpu
+            end = time.perf_counter()
+        self.recorder.record(action, start, end)
 
-    def _prefetch_for(self, action: AnyAction) -> None:
-        for transfer in self.schedule.receives(action):
+    def _prefetch_for(self, j: int) -> None:
+        """Post (without blocking) the receives of this rank's ``j``-th action."""
+        action = self.actions[j]
+        for transfer in self._receives[j]:
             self.comm.prefetch(transfer, action)
 
     def reset_shapes(self) -> None:

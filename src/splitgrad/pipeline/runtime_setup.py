@@ -40,6 +40,13 @@ class StepResult:
     comm: CommStats | None = None
     """How this rank's messages moved (when each receive was posted vs needed, headers, held buffer bytes);
     None on a one-rank pipeline."""
+    runtime_cpu: float = 0.0
+    """CPU seconds (this thread's ``time.thread_time``) the step spent outside its actions' handlers: posting
+    and completing messages, the interpreter loop, timeline bookkeeping. Blocking waits use no CPU, so this is
+    the runtime's own per-step cost whatever the machine's load (divide by the rank's action count for the
+    cost per action)."""
+    action_cpu: float = 0.0
+    """CPU seconds inside the actions' handlers (compute, and queueing what they produced)."""
 
 
 def resolve_pipeline_rank(

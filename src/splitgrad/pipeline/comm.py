@@ -263,7 +263,10 @@ class PipelineComm:
         """Post one op on the process group (``op.group_peer`` is the peer's rank in it)."""
         tensor = torch.view_as_real(op.tensor) if op.tensor.is_complex() else op.tensor
         post = self._pg.send if op.op is dist.isend else self._pg.recv
-        return post([tensor], op.group_peer, op.tag)
+        peer = getattr(op, "group_peer", None)  # torch < 2.6's P2POp holds only the global rank
+        if peer is None:
+            peer = dist.get_group_rank(self._pg, op.peer)
+        return post([tensor], peer, op.tag)
 
     # -- receiving ---------------------------------------------------------------------------------------
 

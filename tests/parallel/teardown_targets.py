@@ -132,3 +132,29 @@ def _error_of(fn, *args) -> str | None:
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def _gloo_workers() -> int:
+    """Threads of this process that are gloo process-group workers (torch names them ``pt_gloo_runloop``)."""
+    tasks = "/proc/self/task"
+    return sum(open(f"{tasks}/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir(tasks))
+
+
+def _write_gloo_workers(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(_gloo_workers()))
+
+
+def gloo_workers_at_exit(rank: int, world_size: int, out_dir: str) -> int:
+    """Import what the first ``torch.optim`` optimizer imports (``torch.distributed._shard``, via
+    ``torch._dynamo``) after the group exists, run a collective, and record at interpreter exit (after the
+    harness's ``destroy_process_group()``) how many gloo worker threads are left. Returns the count now."""
+    import importlib
+
+    importlib.import_module("torch.distributed._shard")
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x)
+    if not torch.equal(x, torch.full((4,), float(world_size * (world_size + 1) // 2))):
+        raise RuntimeError(f"all_reduce gave {x.tolist()}")
+    atexit.register(_write_gloo_workers, os.path.join(out_dir, f"rank{rank}.txt"))
+    return _gloo_workers()

@@ -72,3 +72,15 @@ def test_ddp_and_runtime_exit_cleanly_20_times(tmp_path):
         per_rank = spawn(teardown_targets.lifecycles, 2, str(store_dir), chunk, backend=None, timeout=240)
         for j, mode in enumerate(chunk):
             _check_run(first + j, mode, [runs[j] for runs in per_rank])
+
+
+def test_no_gloo_worker_is_left_at_interpreter_exit(tmp_path):
+    # The abort at exit ("terminate called without an active exception") needs a gloo worker thread alive
+    # during interpreter shutdown; destroying the group's last reference joins them. torch 2.13 keeps the
+    # default group alive when torch.distributed._shard is first imported after init_process_group (every
+    # torch.optim optimizer does, through torch._dynamo), so the harness imports it before. Counted at exit
+    # (load-independent); the count while the group lives shows the check can see the workers.
+    alive = spawn(teardown_targets.gloo_workers_at_exit, 2, str(tmp_path), timeout=120)
+    assert all(n >= 1 for n in alive), f"the counter sees no gloo worker while the group lives: {alive}"
+    at_exit = [int((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
+    assert at_exit == [0, 0], f"gloo worker threads left at interpreter exit, per rank: {at_exit}"

@@ -31,7 +31,10 @@ class TensorParallelConfig:
     """How one layer is split over its tensor-parallel group."""
 
     group: dist.ProcessGroup | None
-    """The tensor-parallel process group (None: a single rank, no communication)."""
+    """The tensor-parallel process group; None: a single rank (``size == 1``), or the default group (which
+    torch's collectives use for ``group=None``). The default group is never stored: a reference that outlives
+    ``destroy_process_group()`` keeps gloo's worker threads running into interpreter shutdown, where they may
+    abort the process (see docs/parallel.md, "A crash at exit")."""
     size: int
     """Ranks in ``group`` (1 without a group)."""
     rank: int
@@ -97,7 +100,7 @@ def tensor_parallel_config(
             f"{owner}: sequence_parallel=True needs parallel_mode='column' or 'row' (got {parallel_mode=})"
         )
     return TensorParallelConfig(
-        group=tp_group,
+        group=None if tp_group is dist.group.WORLD else tp_group,
         size=size,
         rank=rank,
         parallel_mode=parallel_mode,

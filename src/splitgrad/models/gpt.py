@@ -278,7 +278,9 @@ class GPT(nn.Module):
             got = None if tp_group is None else dist.get_world_size(tp_group)
             raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
-        self.tp_group = tp_group
+        # The default group is looked up at use, never stored (see TensorParallelConfig.group).
+        self._tp_default = tp_group is not None and tp_group is dist.group.WORLD
+        self._tp_group = None if self._tp_default else tp_group
         sp = sequence_parallel_config(tp_group, config)
         self.embed = Embedding(config, sp)
         self.blocks = nn.ModuleList(
@@ -288,6 +290,11 @@ class GPT(nn.Module):
         self.reset_parameters()
         if device is not None:
             self.to(device)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group the model was built with (None: unsplit)."""
+        return dist.group.WORLD if self._tp_default else self._tp_group
 
     def _make_mlp(self, config: GPTConfig, layer: int) -> nn.Module:
         """The MLP branch of block ``layer`` (overridden by the MoE model)."""

@@ -175,9 +175,12 @@ def test_ctrl_c_stops_the_ranks_without_a_traceback(tmp_path):
     argv = ["demo", "--ranks", "2", "--num-layers", "2", "--microbatches", "2", "--batch-size", "4", *TINY]
     argv[argv.index("--steps") + 1] = "100000"  # still training when interrupted
     env = dict(os.environ, PYTHONPATH=str(SRC))
+    # As in a terminal: SIGINT at its default disposition. A test run started in the background of a
+    # non-interactive shell (`make test &`) inherits it *ignored*, and so would the demo (rightly deaf to it).
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitgrad", *argv, "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         for line in proc.stdout:  # rank 0 prints this once both ranks are up

@@ -223,9 +223,7 @@ def test_lazy_zero_watch_ends_at_the_forward(group):
         torch.testing.assert_close(_grads(ddp), _reference(_x(step)), rtol=1e-12, atol=1e-12)
 
 
-def test_lazy_zero_refuses_an_unreported_write_into_a_marked_slice(group):
-    # A layer that adds into main_grad, flags grad_added_to_main_grad and reports nothing (no hook, no .grad):
-    # the slice still holds the last step's values, so its bucket refuses to reduce them.
+def _ddp_allowing_unused(group) -> DistributedDataParallel:
     ddp = DistributedDataParallel(
         _model(False),
         process_group=group,
@@ -233,6 +231,14 @@ def test_lazy_zero_refuses_an_unreported_write_into_a_marked_slice(group):
         bucket_size=40,
         allow_unused_parameters=True,
     )
+    ddp.grad_divisor = DIVISOR
+    return ddp
+
+
+def test_lazy_zero_refuses_an_unreported_write_into_a_marked_slice(group):
+    # A layer that adds into main_grad, flags grad_added_to_main_grad and reports nothing (no hook, no .grad):
+    # the slice still holds the last step's values, so its bucket refuses to reduce them.
+    ddp = _ddp_allowing_unused(group)
     _stale_step(ddp)
     ddp.zero_grad_buffer()
     x = torch.randn(5, 8, dtype=F64)
@@ -266,15 +272,7 @@ def test_lazy_zero_writes_nothing_when_zeroing_and_gives_the_same_bits(group):
 
 
 def test_lazy_zero_zeroes_an_unused_parameter_when_its_bucket_is_reduced(group):
-    ddp = DistributedDataParallel(
-        _model(False),
-        process_group=group,
-        grad_reduce_dtype=None,
-        bucket_size=40,
-        allow_unused_parameters=True,
-        lazy_zero=True,
-    )
-    ddp.grad_divisor = DIVISOR
+    ddp = _ddp_allowing_unused(group)  # lazy_zero=True: the default
     _stale_step(ddp)
     first = ddp.module[0]
     ddp.zero_grad_buffer()

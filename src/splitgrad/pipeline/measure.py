@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .actions import Action, Schedule
-from .replay import replay_measured
+from .replay import covered_length, replay_measured
 from .simulate import SimulationResult, simulate
 from .timeline import TimelineEvent, save_png, write_chrome_trace
 
@@ -197,15 +197,7 @@ def idle_breakdown(events: Iterable[TimelineEvent]) -> dict[int, dict[str, float
         in_wait = 0.0
         for g0, g1 in gaps:
             # Union of the waits overlapping this gap (prefetched receives may overlap each other).
-            spans = sorted((max(w0, g0), min(w1, g1)) for w0, w1 in waits if w1 > g0 and w0 < g1)
-            cur0, cur1 = None, None
-            for a, b in spans:
-                if cur1 is None or a > cur1:
-                    in_wait += 0.0 if cur1 is None else cur1 - cur0
-                    cur0, cur1 = a, b
-                else:
-                    cur1 = max(cur1, b)
-            in_wait += 0.0 if cur1 is None else cur1 - cur0
+            in_wait += covered_length(g0, g1, waits)
         span = hi - lo
         out[rank] = {
             "span": span,

@@ -172,7 +172,7 @@ def replay_measured(
     )
 
 
-def _covered(lo: float, hi: float, intervals: Sequence[tuple[float, float]]) -> float:
+def covered_length(lo: float, hi: float, intervals: Sequence[tuple[float, float]]) -> float:
     """Length of ``[lo, hi]`` covered by the union of ``intervals``."""
     clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
     total, cur0, cur1 = 0.0, None, None
@@ -226,8 +226,8 @@ def overhead_split(
             )
             after = min(max(ready, gap_lo), gap_hi)
             producer_wait += after - gap_lo
-            moved = _covered(after, gap_hi, waits)
-            synced = _covered(after, gap_hi, syncs)
+            moved = covered_length(after, gap_hi, waits)
+            synced = covered_length(after, gap_hi, syncs)
             transport += moved
             sync += synced
             dispatch += gap_hi - after - moved - synced

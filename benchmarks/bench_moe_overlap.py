@@ -206,14 +206,34 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict
     return {mode: _mode(rank, world, args, mode == "delayed") for mode in args.modes}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_pair_arguments(parser: argparse.ArgumentParser, driver_help: str) -> None:
+    """The model, sampling and ``--driver`` options this script and ``diag_moe_overlap.py`` share."""
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--driver",
+        dest="drivers",
+        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
+        default=["threads"],
+        help=driver_help,
+    )
+
+
+def check_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an empty or unknown ``--driver`` list (argparse's usage error)."""
+    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
+        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pair_arguments(
+        parser, "comma-separated overlapped_forward_backward drivers, a row each: threads, steps"
+    )
     parser.add_argument(
         "--modes",
         type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
@@ -226,21 +246,13 @@ def main() -> None:
         action="store_true",
         help="threads driver with exclusive_compute=True: one part computes at a time, switching at waits",
     )
-    parser.add_argument(
-        "--driver",
-        dest="drivers",
-        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
-        default=["threads"],
-        help="comma-separated overlapped_forward_backward drivers, a row each: threads, steps",
-    )
     args = parser.parse_args()
     if args.delayed:
         args.modes = ["delayed"]
     bad = [m for m in args.modes if m not in ("immediate", "delayed")]
     if bad or not args.modes:
         parser.error(f"--modes: choose from immediate, delayed; got {args.modes}")
-    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
-        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
+    check_drivers(parser, args)
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "

@@ -38,11 +38,18 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import lm_loss
-from splitgrad.parallel.expert import DRIVERS, overlapped_forward_backward
+from splitgrad.parallel.expert import overlapped_forward_backward
 from splitgrad.testing import spawn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe_overlap import _expert_wgrad, _measure, _minus, build_pair_model
+from bench_moe_overlap import (
+    _expert_wgrad,
+    _measure,
+    _minus,
+    add_pair_arguments,
+    build_pair_model,
+    check_drivers,
+)
 
 
 def _cross_rank(mine: list, peer: list) -> tuple[int, float, float]:
@@ -158,12 +165,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_pair_arguments(
+        parser,
+        "comma-separated overlapped_forward_backward drivers: threads (rows per interval and variant), steps",
+    )
     parser.add_argument("--modes", type=lambda t: t.split(","), default=["immediate", "delayed"])
     parser.add_argument(
         "--intervals",
@@ -177,16 +182,8 @@ def main() -> None:
         default=["os", "baton"],
         help="threads driver: os: the OS time-slices the two parts; baton: exclusive_compute=True (parts switch at waits)",
     )
-    parser.add_argument(
-        "--driver",
-        dest="drivers",
-        type=lambda t: [d.strip() for d in t.split(",") if d.strip()],
-        default=["threads"],
-        help="comma-separated overlapped_forward_backward drivers: threads (rows per interval and variant), steps",
-    )
     args = parser.parse_args()
-    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
-        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
+    check_drivers(parser, args)
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens/microbatch/rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} layers; rank 0 medians"

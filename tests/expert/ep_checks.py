@@ -11,7 +11,12 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers
-from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, load_full_state_dict
+from splitgrad.parallel.expert import (
+    ExpertDataParallel,
+    ExpertParallelMoEGPT,
+    ExpertParallelMoEMLP,
+    load_full_state_dict,
+)
 from tests.helpers import grads
 from tests.models.helpers import RTOL, batch, build, moe_config
 
@@ -190,8 +195,6 @@ def hook_reduction(
     ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation). Then, per ``overlap_experts`` kind, the same
     groups with two microbatches in the overlapped order (``overlap_dp_checks``; one spawn for both).
     """
-    from splitgrad.parallel.expert import ExpertDataParallel
-
     ep_group, edp_group = ep_groups(rank, world, ep)
     report = []
     for overrides, local_b, seq, experts, mode in cases:
@@ -208,13 +211,7 @@ def hook_reduction(
             moe_config(**overrides, **split), ep_group=ep_group, dp_group=dist.group.WORLD, experts=experts
         )
         load_full_state_dict(model, ref.state_dict())
-        edp = ExpertDataParallel(
-            model,
-            dp_group=dist.group.WORLD,
-            expert_dp_group=edp_group,
-            bucket_size=2000,
-            grad_reduce_dtype=None,
-        )
+        edp = wrap_expert_dp(model, edp_group)
         edp.zero_grad_buffer()
         ce = lm_loss(edp(ids[mine]), targets[mine])
         ce.backward()
@@ -251,6 +248,13 @@ def hook_reduction(
             }
         )
     return report
+
+
+def wrap_expert_dp(model, edp_group) -> ExpertDataParallel:
+    """The tests' ``ExpertDataParallel``: dense parameters over every rank, small buckets, fp32/64 reductions."""
+    return ExpertDataParallel(
+        model, dp_group=dist.group.WORLD, expert_dp_group=edp_group, bucket_size=2000, grad_reduce_dtype=None
+    )
 
 
 def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:

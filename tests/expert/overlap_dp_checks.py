@@ -23,7 +23,7 @@ from splitgrad.parallel.expert import (
     load_full_state_dict,
     overlapped_forward_backward,
 )
-from tests.expert.ep_checks import close, full_name
+from tests.expert.ep_checks import close, full_name, wrap_expert_dp
 from tests.helpers import grads
 from tests.models.helpers import batch, build, moe_config
 
@@ -79,13 +79,7 @@ def overlap_with_expert_dp(
             experts=experts,
         )
         load_full_state_dict(model, ref.state_dict())
-        edp = ExpertDataParallel(
-            model,
-            dp_group=dist.group.WORLD,
-            expert_dp_group=edp_group,
-            bucket_size=2000,
-            grad_reduce_dtype=None,
-        )
+        edp = wrap_expert_dp(model, edp_group)
         launches = _watch_launches(edp)
         hook_threads: list[str] = []
         for layer in moe_layers(model):

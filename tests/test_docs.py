@@ -221,6 +221,21 @@ def _splitgrad_args(argv: list[str]) -> list[str] | None:
     return None
 
 
+def _benchmark_source(script: Path) -> str:
+    """A benchmark script's text together with the sibling benchmark modules it imports from (a script may
+    take shared options from another, e.g. ``from bench_moe_overlap import add_pair_arguments``)."""
+    source = script.read_text()
+    siblings = re.findall(r"^from (\w+) import", source, flags=re.M)
+    return "\n".join(
+        [source]
+        + [
+            (script.parent / f"{name}.py").read_text()
+            for name in siblings
+            if (script.parent / f"{name}.py").exists()
+        ]
+    )
+
+
 def check_command(where: str, argv: list[str], workdir: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Check one documented command; returns what was checked. Raises AssertionError naming the command."""
     from splitgrad.__main__ import main
@@ -253,7 +268,7 @@ def check_command(where: str, argv: list[str], workdir: Path, monkeypatch: pytes
         return "make target"
     if len(argv) > 1 and argv[1].startswith("benchmarks/"):
         assert argv[0] == ".venv/bin/python", f"{shown}: works as written only as .venv/bin/python"
-        source = (ROOT / argv[1]).read_text()
+        source = _benchmark_source(ROOT / argv[1])
         own = argv[2:]
         if argv[1] == "benchmarks/_netns.py" and "--" in own:
             # The namespace wrapper: its own flags, then the command it runs inside, checked the same way.
@@ -293,6 +308,11 @@ def test_the_command_check_rejects_bad_commands(tmp_path, monkeypatch):
         [".venv/bin/python", "benchmarks/bench_linear.py", "--no-such-flag"],
         [
             ".venv/bin/python",
+            "benchmarks/diag_moe_overlap.py",
+            "--no-such-flag",
+        ],  # options shared from a sibling
+        [
+            ".venv/bin/python",
             "benchmarks/_netns.py",
             "--rate",
             "1gbit",
@@ -315,3 +335,6 @@ def test_the_command_check_rejects_bad_commands(tmp_path, monkeypatch):
     for argv in bad:
         with pytest.raises((AssertionError, ValueError)):
             check_command("sample.md:1", argv, tmp_path, monkeypatch)
+    # A flag a script takes from a sibling benchmark module it imports is known.
+    shared = [".venv/bin/python", "benchmarks/diag_moe_overlap.py", "--driver", "threads,steps"]
+    assert check_command("sample.md:1", shared, tmp_path, monkeypatch) == "benchmark flags"

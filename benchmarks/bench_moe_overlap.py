@@ -15,8 +15,9 @@ Reported (rank 0, medians):
 
 * ``comm alone``: the pair's dispatch/combine exchanges (forward of one microbatch + backward of the other);
 * ``sequential`` / ``overlapped``: the pair's wall time, and its CPU time (both threads; load-independent);
-* ``hidden = (sequential - overlapped) / comm alone``, next to the most the compute could cover,
-  ``coverable = min(comm, sequential - comm) / comm``;
+* ``hidden = (sequential - overlapped) / comm alone``, per sample (the sample's sequential and overlapped pair
+  ran back to back and its exchanges right after) and the median of those, with its quartiles; next to the
+  most the compute could cover, ``coverable = min(comm, sequential - comm) / comm`` (of the medians);
 * ``waits covered by order``: of the overlapped pair's exchange waits (both parts, the expert W inside the
   dispatch counted as compute), the fraction during which the other part was not waiting as well, from the
   process's own timestamps: an event-order figure that a loaded machine distorts much less than wall times.
@@ -199,7 +200,27 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
                 timings.setdefault(f"{variant} cpu", []).append(cpu)
         if sample >= args.warmup:
             timings["comm alone"].append(_comm_alone(_pair_exchanges(model, fwd), fwd))
-    return {k: statistics.median(v) for k, v in timings.items()}
+    out = {k: statistics.median(v) for k, v in timings.items()}
+    for variant in args.drivers:
+        # Paired per sample (its sequential and overlapped pair ran back to back, its exchanges right after):
+        # drift and load spikes between samples cancel, where a ratio of medians would mix them.
+        hidden = [
+            (seq - ovl) / comm
+            for seq, ovl, comm in zip(
+                timings["sequential"], timings[variant], timings["comm alone"], strict=True
+            )
+        ]
+        out[f"{variant} hidden"] = statistics.median(hidden)
+        out[f"{variant} hidden q"] = _quartiles(hidden)
+    return out
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    """(first, third) quartile; both the one value when there is only one."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -260,9 +281,9 @@ def main() -> None:
     )
     print(
         "| wgrad | driver | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "
-        "coverable | pair CPU seq / ovl (ms) | waits covered by order |"
+        "(quartiles) | coverable | pair CPU seq / ovl (ms) | waits covered by order |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         r = results[0][mode]
         comm, seq = r["comm alone"], r["sequential"]
@@ -271,7 +292,8 @@ def main() -> None:
             ovl = r[driver]
             print(
                 f"| {mode} | {driver} | {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
-                f"{(seq - ovl) / comm:.0%} | {coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
+                f"{r[f'{driver} hidden']:.0%} | [{r[f'{driver} hidden q'][0]:.0%}, {r[f'{driver} hidden q'][1]:.0%}] | "
+                f"{coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
                 f"{r[f'{driver} cpu'] * 1e3:.1f} | {r[f'{driver} covered by order']:.0%} |"
             )
 

@@ -15,8 +15,10 @@ both ranks (``time.perf_counter`` is one clock for every process of a host):
   (transport: header round trips, a receive posted too late, the copy itself).
 
 Also per rank: CPU seconds of the step (``time.process_time``) next to its span, the runtime's own CPU per
-action outside the handlers (``StepResult.runtime_cpu``), shape headers exchanged, receives posted ahead, sends
-released early, and the peak bytes of receive buffers and unconfirmed sends held.
+action outside the handlers (``StepResult.runtime_cpu``), how long the runtime's thread waited on the run queue
+(runnable but descheduled: ``/proc`` schedstat, Linux; in all and between actions, where it adds to
+``dispatch``), shape headers exchanged, receives posted ahead, sends released early, and the peak bytes of
+receive buffers and unconfirmed sends held.
 
 And per step and rank, the step replayed at its own per-action durations
 (:func:`splitgrad.pipeline.replay.replay_measured`, the simulator's engine) and
@@ -34,6 +36,7 @@ from dataclasses import asdict
 
 import torch.nn.functional as F
 
+from _schedstat import HandlerRunQueue
 from bench_pipeline import BenchConfig, batch, cut
 from splitgrad.pipeline.build import build_runtime
 from splitgrad.pipeline.measure import gather_events, idle_breakdown, measured_bubble_ratio, simulate_measured
@@ -54,13 +57,14 @@ def run_rank(
         prefetch_depth=depth,
     )
     x, y = batch(cfg, False)
+    run_queue = HandlerRunQueue(rt)
     out: dict = {"steps": []}
     for _ in range(steps):
         rt.zero_grad()
         if reset:  # the protocol before shapes were agreed once: headers on every step
             rt.reset_shapes()
         cpu = time.process_time()
-        result = rt.step(x, y)
+        result, queued, queued_inside = run_queue.step(lambda: rt.step(x, y))
         cpu = time.process_time() - cpu
         events = gather_events(result.events, dst=0)
         stats = result.comm
@@ -68,6 +72,7 @@ def run_rank(
             {
                 "cpu": cpu,
                 "runtime_cpu": result.runtime_cpu,
+                "run_queue": (queued, queued_inside),
                 "actions": len(rt.actions),
                 "events": events,
                 "bubble": None if events is None else measured_bubble_ratio(events),
@@ -163,11 +168,14 @@ def main() -> None:
             span_ms = 1e3 * span[r]["span"]
             other = 1e3 * span[r]["other"]
             total = [sum(row[k] for row in rows) for k in (2, 3, 4)]
+            queued, queued_inside = mine["run_queue"]
             print(
                 f"step {i} rank {r}: CPU {1e3 * mine['cpu']:.0f} ms in a {span_ms:.0f} ms span; waits {total[0]:.1f} ms "
                 f"= producer late {total[1]:.1f} + moving {total[2]:.1f}; other {other:.1f} ms over "
                 f"{mine['actions']} actions ({1e3 * other / mine['actions']:.0f} us each; runtime CPU "
-                f"{1e6 * mine['runtime_cpu'] / mine['actions']:.0f} us each); median lead "
+                f"{1e6 * mine['runtime_cpu'] / mine['actions']:.0f} us each, {1e3 * mine['runtime_cpu']:.1f} ms); "
+                f"run-queue wait {1e3 * queued:.1f} ms, {1e3 * (queued - queued_inside):.1f} of it between "
+                f"actions; median lead "
                 f"{statistics.median(row[1] for row in rows) if rows else 0:.1f} ms; posted before the peer's "
                 f"send {sum(row[5] for row in rows)}/{len(rows)}; {mine['counts']}"
             )

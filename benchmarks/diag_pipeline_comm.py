@@ -1,7 +1,8 @@
 """Where a splitgrad pipeline step loses time to its transport, with load-independent evidence.
 
-Run: ``.venv/bin/python benchmarks/diag_pipeline_comm.py [--schedule zbv] [--quick] [--steps 4]`` (the
-model and data of ``bench_pipeline.py``; on a shared machine wrap it in ``benchmarks/_netns.py``).
+Run: ``.venv/bin/python benchmarks/diag_pipeline_comm.py [--schedule zbv] [--quick] [--steps 4] [--3d]`` (the
+model and data of ``bench_pipeline.py``, 2-D activations or with ``--3d`` 3-D; on a shared machine wrap it in
+``benchmarks/_netns.py``).
 
 Wall-clock waits on a loaded machine mix transport with a producer that was simply late (descheduled), so
 besides the measured and simulated bubbles and :func:`~splitgrad.pipeline.measure.idle_breakdown`, each
@@ -45,7 +46,7 @@ from splitgrad.testing import spawn
 
 
 def run_rank(
-    rank: int, world: int, cfg_fields: dict, schedule: str, steps: int, depth: int, reset: bool
+    rank: int, world: int, cfg_fields: dict, schedule: str, steps: int, depth: int, reset: bool, three_d: bool
 ) -> dict:
     cfg = BenchConfig(**cfg_fields)
     n_stages = 4 if schedule.startswith("zbv") else 2
@@ -56,7 +57,7 @@ def run_rank(
         n_microbatches=cfg.n_microbatches,
         prefetch_depth=depth,
     )
-    x, y = batch(cfg, False)
+    x, y = batch(cfg, three_d)
     run_queue = HandlerRunQueue(rt)
     out: dict = {"steps": []}
     for _ in range(steps):
@@ -119,6 +120,9 @@ def main() -> None:
     parser.add_argument("--prefetch-depth", type=int, default=2)
     parser.add_argument("--verbose", action="store_true", help="every receive of the last step")
     parser.add_argument(
+        "--3d", dest="three_d", action="store_true", help="3-D activations (batch, seq, hidden)"
+    )
+    parser.add_argument(
         "--reset-shapes-each-step",
         action="store_true",
         help="exchange shape headers on every step (the protocol before shapes were agreed once), to compare",
@@ -133,12 +137,14 @@ def main() -> None:
         args.steps,
         args.prefetch_depth,
         args.reset_shapes_each_step,
+        args.three_d,
         timeout=1800,
         pg_timeout=600,
     )
     headers = "headers every step" if args.reset_shapes_each_step else "shapes agreed on step 0"
     print(
-        f"{args.schedule} on 2 gloo ranks, prefetch_depth={args.prefetch_depth}, {headers}: {asdict(cfg)}\n"
+        f"{args.schedule} on 2 gloo ranks, {'3-D' if args.three_d else '2-D'} activations, "
+        f"prefetch_depth={args.prefetch_depth}, {headers}: {asdict(cfg)}\n"
     )
     print(
         "| step | measured bubble | simulated (measured costs) | replay (own durations) "

@@ -7,7 +7,7 @@ goes through a token-bucket filter (``tc qdisc ... tbf``), a 16 MiB all-reduce b
 270 ms of wall time at 1 Gbit/s and a few ms of CPU: the link, not the cores, is the bottleneck, as on a
 real network. ``netem`` is not needed (and is absent from many kernels); ``tbf`` is enough.
 
-Only loopback addresses exist inside the namespace; it is always deleted afterwards, also on Ctrl-C.
+Only loopback addresses exist inside the namespace; it is always deleted afterwards, also on Ctrl-C or SIGTERM.
 
 Use it as a command wrapper::
 
@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -86,9 +87,23 @@ def rate_limited_namespace(rate: str = "1gbit", *, name: str | None = None) -> I
 
 
 def run_in_namespace(command: Sequence[str], *, rate: str = "1gbit") -> int:
-    """Run ``command`` inside a fresh rate-limited namespace; returns its exit code."""
+    """Run ``command`` inside a fresh rate-limited namespace; returns its exit code.
+
+    A SIGTERM (``kill``, ``timeout``) is passed on to the command, and the namespace is deleted once it has
+    exited, as on Ctrl-C: Python's default SIGTERM action would end this process without its cleanup.
+    """
     with rate_limited_namespace(rate) as prefix:
-        return subprocess.run([*prefix, *command]).returncode
+        child = subprocess.Popen([*prefix, *command])
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.terminate())
+        try:
+            return child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if (
+                child.poll() is None
+            ):  # Ctrl-C or an error here: do not leave it running in a deleted namespace
+                child.kill()
+                child.wait()
 
 
 def _selftest(mib: int) -> None:

@@ -179,7 +179,7 @@ class SplitModule(nn.Module):
             )
         out = list(gradients(now)) if any(now) else [None] * n
         if any(owed):
-            task = WgradTask(lambda: write(owed), store=self.wgrad_store, label=self._describe(), saved=saved)
+            task = WgradTask(lambda: write(owed), store=self.wgrad_store, label=self._describe, saved=saved)
             if self.need_backward_dw():
                 self.wgrad_store.defer(task)
             else:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .profiling import profiler_active
 from .store import WeightGradStore, WgradClaim
 
 __all__ = ["WgradTask"]
@@ -24,30 +25,38 @@ class WgradTask:
         compute: writes the gradients (``.grad`` or ``main_grad``); must check everything it needs before
             writing anything, so that a failure leaves no gradient half written.
         store: the owner's store; its hooks fire after ``compute`` and its account is kept.
-        label: shown in errors and profiler ranges (usually the owner's name).
+        label: shown in errors and profiler ranges (usually the owner's name), or a function returning it,
+            called only when it is shown (a task is made per backward: formatting a name each time costs).
         saved: tensors ``compute`` reads; their version counters are recorded now and checked before
             running, so an in-place change between backward and ``backward_dw`` is an error, not a silently
             wrong gradient.
     """
 
-    __slots__ = ("_compute", "_holder", "_lock", "_state", "_versions", "label", "store")
+    __slots__ = ("_compute", "_holder", "_label", "_lock", "_state", "_versions", "store")
 
     def __init__(
         self,
         compute: Callable[[], None],
         *,
         store: WeightGradStore,
-        label: str = "",
+        label: str | Callable[[], str] = "",
         saved: Sequence[torch.Tensor] = (),
     ) -> None:
         self._compute = compute
         self.store = store
-        self.label = label or store.name
+        self._label = label or store.name
         self._versions = [(t, t._version) for t in saved]
         self._state = "pending"  # pending -> running -> done | back to pending on failure; or discarded
         self._lock = threading.Lock()
         # What owes this task: the store's queue, a bundle's claim, or None (popped: the caller owns it).
         self._holder: WeightGradStore | WgradClaim | None = None
+
+    @property
+    def label(self) -> str:
+        """The owner's name, as given (formatted on first use when given as a function)."""
+        if callable(self._label):
+            self._label = self._label()
+        return self._label
 
     @property
     def done(self) -> bool:
@@ -92,7 +101,12 @@ class WgradTask:
             # backward still does), and recording their W math would attach a grad_fn to `.grad`/`main_grad`.
             with (
                 torch.no_grad(),
-                torch.profiler.record_function(f"splitgrad.wgrad:{self.label}"),
+                # A named range only while a profiler records (opening one costs more than a small W).
+                (
+                    torch.profiler.record_function(f"splitgrad.wgrad:{self.label}")
+                    if profiler_active()
+                    else contextlib.nullcontext()
+                ),
                 contextlib.ExitStack() as around,
             ):
                 for factory in getattr(self.store, "compute_contexts", ()):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..core.profiling import profiler_active
 from .actions import Action, Schedule
 from .replay import covered_length, replay_measured
 from .simulate import SimulationResult, simulate
@@ -42,18 +43,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def profiler_active() -> bool:
-    """Whether a torch profiler is recording on this thread's process (autograd profiler or Kineto).
-
-    The runtime opens its per-action ``record_function`` ranges only then: a range costs about 8 us of CPU
-    on a warm cache and several times that right after a long GEMM, once per action, and nothing sees it
-    without a profiler. ``torch.autograd._profiler_enabled`` is the check torch's own modules use; without
-    it (another torch version) ranges are always opened.
-    """
-    enabled = getattr(torch.autograd, "_profiler_enabled", None)
-    return True if enabled is None else bool(enabled())
 
 
 class TimelineRecorder:

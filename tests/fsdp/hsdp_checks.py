@@ -37,13 +37,21 @@ def hsdp_mesh(world: int) -> DeviceMesh:
 
 
 def hsdp_step(
-    rank: int, mesh: DeviceMesh, mode: str | None, *, order: str, all_reduce_each: bool = False
+    rank: int,
+    mesh: DeviceMesh,
+    mode: str | None,
+    *,
+    order: str,
+    all_reduce_each: bool = False,
+    sync_off_before_finish: bool = False,
 ) -> torch.nn.Module:
     """Two microbatches on the HSDP mesh; ``mode=None`` is FSDP2 immediate mode, else delayed + that mode.
 
     ``order``: ``"BW"`` (W after each B) or ``"BBW"`` (all W at the end). ``all_reduce_each=False``: gradient
     sync off for the first microbatch (no reduce-scatter, no all-reduce); True: sync on for both, the first
     reduce-scatters but skips the all-reduce (``set_requires_all_reduce(False)``, HSDP's accumulation mode).
+    ``sync_off_before_finish``: after the last W, turn gradient sync off (as the next step's first microbatch
+    would) before ``finish()``: the reduction due must still run, with the flags of its last W.
     """
     model = shard_model(build(mode is not None), mesh=mesh)
     handle = None if mode is None else defer_fsdp_reduction(model, mode=mode, timeout=120)
@@ -59,6 +67,11 @@ def hsdp_step(
             splitgrad.backward_dw(model)
     if handle is not None:
         splitgrad.backward_dw(model)
+        if sync_off_before_finish:
+            model.set_requires_gradient_sync(False)
+            model.set_requires_all_reduce(False)
+            if handle.in_flight:  # the setters join a background reduction that reads these flags
+                raise AssertionError(f"{mode=}: {handle.in_flight=} after set_requires_gradient_sync")
         handle.finish()
         if handle.held_gradients or handle.in_flight or splitgrad.pending_wgrad(model):
             raise AssertionError(f"{mode=} {order=}: left {handle.held_gradients=} {handle.in_flight=}")
@@ -100,6 +113,38 @@ def check_hsdp_all_reduce_on_last_only(rank: int, world: int) -> None:
             if order == "BW":
                 assert_grads(dly, imm, f"{what}: delayed vs immediate", bitwise=True)
             assert_grads(full(dly), ref, f"{what}: vs float64 reference", bitwise=False)
+    # Reduce-scattered, all-reduce still owed: uninstalling or handing back to FSDP2 would lose it.
+    model = shard_model(build(True), mesh=mesh)
+    handle = defer_fsdp_reduction(model)
+    model.set_requires_all_reduce(False)
+    loss_of(model(data(rank, 0))).backward()
+    splitgrad.backward_dw(model)
+    for call, text in (
+        (handle.remove, "HSDP all-reduce skipped"),
+        (handle.release_to_fsdp, "awaiting their HSDP"),
+    ):
+        try:
+            call()
+        except RuntimeError as exc:
+            if text not in str(exc):
+                raise
+        else:
+            raise AssertionError(f"{call.__name__}() with an HSDP all-reduce pending was accepted")
+    model.set_requires_all_reduce(True)
+    loss_of(model(data(rank, 1))).backward()
+    splitgrad.backward_dw(model)
+    assert_grads(sharded_grads(model), imm, "pending all-reduce then completed", bitwise=True)
+    handle.remove()
+
+
+def check_hsdp_sync_flags_changed_before_finish(rank: int, world: int) -> None:
+    """Gradient sync and all-reduce turned off after the last W, before ``finish()`` (or while the background
+    reduction may still run): the reduction still happens, as decided at the last W; bitwise = immediate."""
+    mesh = hsdp_mesh(world)
+    imm = sharded_grads(hsdp_step(rank, mesh, None, order="BW"))
+    for mode in ("finish", "async"):
+        dly = sharded_grads(hsdp_step(rank, mesh, mode, order="BW", sync_off_before_finish=True))
+        assert_grads(dly, imm, f"HSDP {mode=}: sync off before finish() vs immediate", bitwise=True)
 
 
 def check_hsdp_wrong_answer_rejected(rank: int, world: int) -> None:
@@ -133,4 +178,9 @@ def check_hsdp_wrong_answer_rejected(rank: int, world: int) -> None:
         raise AssertionError("HSDP: a doubled sharded gradient was accepted as immediate mode")
 
 
-CHECKS = [check_hsdp_modes, check_hsdp_wrong_answer_rejected]
+CHECKS = [
+    check_hsdp_modes,
+    check_hsdp_all_reduce_on_last_only,
+    check_hsdp_sync_flags_changed_before_finish,
+    check_hsdp_wrong_answer_rejected,
+]

@@ -1,7 +1,8 @@
 """One entry point for every FSDP2 check, run in a single spawn of 4 gloo ranks (imported by the children).
 
 Process start-up and ``import torch`` dominate these small checks on a loaded machine, so the 2-D pipeline
-checks (pp=2 x fsdp=2) and the plain FSDP2 checks (fsdp=4 over the default group) share one spawn; each check
+checks (pp=2 x fsdp=2), the plain FSDP2 checks (fsdp=4 over the default group) and the HSDP checks
+(replicate=2 x shard=2) share one spawn; each check
 is still reported as its own test.
 """
 
@@ -11,10 +12,10 @@ import traceback
 
 import torch.distributed as dist
 
-from tests.fsdp import fsdp_checks, pipeline_checks
+from tests.fsdp import fsdp_checks, hsdp_checks, pipeline_checks
 
 WORLD = 4
-CHECKS = [*fsdp_checks.CHECKS, *pipeline_checks.CHECKS]
+CHECKS = [*fsdp_checks.CHECKS, *hsdp_checks.CHECKS, *pipeline_checks.CHECKS]
 NAMES = [f.__name__ for f in CHECKS]
 
 

@@ -31,7 +31,15 @@ __all__ = [
 #: FSDP2's per-parameter record (``FSDPParam``); typed loosely because it is private.
 FSDPParamLike = object
 
-_GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "reshard_after_backward", "_training_state")
+_GROUP_ATTRS = (
+    "fsdp_params",
+    "post_backward",
+    "reduce_grads",
+    "all_reduce_grads",
+    "reshard_after_backward",
+    "_training_state",
+    "_partial_reduce_output",
+)
 _PARAM_ATTRS = ("_module_info",)  # the dtype attributes appear at FSDP2's lazy init
 
 
@@ -109,15 +117,33 @@ def unsharded_on_module(module: nn.Module, params: dict[str, FSDPParamLike]) -> 
             module._parameters[name] = param
 
 
-def reduce_group_now(group: object, grads: dict[FSDPParamLike, torch.Tensor]) -> None:
+def reduce_group_now(
+    group: object,
+    grads: dict[FSDPParamLike, torch.Tensor],
+    *,
+    all_reduce: bool,
+    partial: torch.Tensor | None,
+) -> torch.Tensor | None:
     """Reduce-scatter ``grads`` (full, unsharded) into their sharded ``.grad`` through FSDP2's own path.
+
+    Under HSDP (a 2-D mesh) FSDP2 then all-reduces the reduce-scattered gradient over the replicate dim, or, with
+    ``all_reduce=False``, adds it to a partial sum that a later reduction all-reduces.
 
     Args:
         group: the ``FSDPParamGroup``.
         grads: per FSDPParam the full gradient, in the parameter's unsharded dtype or already in the group's
             reduce dtype (FSDP2's "accumulated" form).
+        all_reduce: HSDP's ``all_reduce_grads`` as it was when the group's last W ran (the caller's snapshot:
+            the user may have changed the flag since).
+        partial: the deferred gradients' own HSDP partial sum, ``(sum of shard numels,)`` flat, from an earlier
+            reduction with ``all_reduce=False``, or None. Kept apart from FSDP2's: that one holds the
+            parameters FSDP2 reduced at backward, a different subset with a different flat layout.
 
-    The group is left sharded or unsharded as it was: resharding is FSDP2's business at forward/backward.
+    Returns:
+        The new partial sum (None once all-reduced, and always None without a replicate dim).
+
+    The group is left sharded or unsharded as it was, and its gradient-sync flags as they were: resharding and
+    the flags are FSDP2's (and the user's) business.
     """
     for fsdp_param, grad in grads.items():
         unsharded = unsharded_param(fsdp_param)
@@ -125,23 +151,40 @@ def reduce_group_now(group: object, grads: dict[FSDPParamLike, torch.Tensor]) ->
             fsdp_param.unsharded_accumulated_grad = grad
         else:
             unsharded.grad = grad
-    state, reshard = group._training_state, group.reshard_after_backward
+    saved = (
+        group._training_state,
+        group.reshard_after_backward,
+        group.reduce_grads,
+        group.all_reduce_grads,
+        group._partial_reduce_output,
+    )
     rs_states = group.comm_ctx.reduce_scatter_states
     n_states = len(rs_states)
     group.reshard_after_backward = False
+    # The decision to reduce was taken at the last W (sync on then); the flags may have changed since.
+    group.reduce_grads, group.all_reduce_grads = True, all_reduce
+    group._partial_reduce_output = partial
     try:
         # The class's method, not the attribute: defer_fsdp_reduction(mode="async") wraps the attribute with a
         # wait for this very reduction.
         type(group).post_backward(group)
         group._wait_for_post_backward()
+        partial = group._partial_reduce_output
     finally:
-        group._training_state, group.reshard_after_backward = state, reshard
+        (
+            group._training_state,
+            group.reshard_after_backward,
+            group.reduce_grads,
+            group.all_reduce_grads,
+            group._partial_reduce_output,
+        ) = saved
     # Release the reduce-scatter input this call queued (FSDP2 drops its own at the end of the last backward,
     # which already ran): wait for it, then let the allocator reuse it.
     while len(rs_states) > n_states:
         event = rs_states.pop().event
         if event is not None:
             group.device_handle.current_stream().wait_event(event)
+    return partial
 
 
 def hand_back(fsdp_param: FSDPParamLike, grad: torch.Tensor) -> None:

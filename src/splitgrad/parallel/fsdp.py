@@ -15,6 +15,10 @@ the way Megatron's DDP uses TE's hooks:
   :meth:`FSDPReductionHandle.finish` (``"finish"``: the pipeline's ``RF`` action, its own timeline event), or
   on a background thread started there and joined at ``finish()`` (``"async"``: overlaps the remaining work).
 
+Under HSDP (a 2-D mesh) that same reduction also all-reduces over the replicate dim; the reduction uses the
+gradient-sync flags of the group's last W (``set_requires_gradient_sync``, ``set_requires_all_reduce``),
+whenever it runs.
+
 Parameters not written by deferred tasks (immediate-mode layers, plain torch modules) keep FSDP2's own path.
 """
 
@@ -47,6 +51,7 @@ logger = logging.getLogger(__name__)
 ReductionMode = Literal["last_w", "finish", "async"]
 _MODES = ("last_w", "finish", "async")
 _MAX_EVENTS = 1024
+_FLAG_SETTERS = ("set_requires_gradient_sync", "set_requires_all_reduce")
 
 
 class _DeferredGroup:
@@ -57,10 +62,16 @@ class _DeferredGroup:
         self.name = name
         self.layers: list[nn.Module] = []
         self.held: dict[object, torch.Tensor] = {}
+        # HSDP: the deferred gradients reduce-scattered but not yet all-reduced (set_requires_all_reduce(False)).
+        self.partial: torch.Tensor | None = None
         self.on_ready = on_ready
 
     def owed(self) -> int:
         return sum(layer.wgrad_store.outstanding.total for layer in self.layers)
+
+    def reduce(self, held: dict, all_reduce: bool) -> None:
+        """FSDP2's reduction of ``held`` (and, under HSDP, of the partial sum with ``all_reduce``)."""
+        self.partial = reduce_group_now(self.group, held, all_reduce=all_reduce, partial=self.partial)
 
     def after_task(self, layer: nn.Module, params: dict[str, object]) -> None:
         """The wgrad hook: move the task's gradients aside, then reduce if this was the group's last task."""
@@ -93,7 +104,8 @@ class FSDPReductionHandle:
         self.mode = mode
         self._groups: list[_DeferredGroup] = []
         self._handles: list = []
-        self._ready: list[tuple[_DeferredGroup, dict]] = []
+        # (group, gradients, HSDP all_reduce_grads at its last W), for finish()
+        self._ready: list[tuple[_DeferredGroup, dict, bool]] = []
         # Bounded: nobody pops them outside the pipeline runtime; keep the latest few steps' worth.
         self._events: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=_MAX_EVENTS)
         self._reducer = (
@@ -105,12 +117,14 @@ class FSDPReductionHandle:
     def _on_ready(self, group: _DeferredGroup, held: dict) -> None:
         """A group's last W ran with sync on: reduce now, hold for ``finish()``, or start in the background."""
         label = f"reduce-scatter {group.name}"
+        # Snapshot: FSDP2 reads the flag at its post_backward; ours is this last W, whenever the reduction runs.
+        all_reduce = bool(group.group.all_reduce_grads)
         if self.mode == "last_w":
-            self._timed(label, lambda: reduce_group_now(group.group, held))
+            self._timed(label, lambda: group.reduce(held, all_reduce))
         elif self.mode == "finish":
-            self._ready.append((group, held))
+            self._ready.append((group, held, all_reduce))
         else:
-            self._reducer.submit(label, lambda: reduce_group_now(group.group, held))
+            self._reducer.submit(label, lambda: group.reduce(held, all_reduce))
 
     def _timed(self, label: str, reduce) -> None:
         start = time.perf_counter()
@@ -121,7 +135,7 @@ class FSDPReductionHandle:
     def held_gradients(self) -> int:
         """Deferred gradients written but not reduced yet (gradient sync off, W work still owed, or waiting for
         ``finish()``); gradients of a background reduction in flight are not counted (see ``in_flight``)."""
-        return sum(len(g.held) for g in self._groups) + sum(len(held) for _, held in self._ready)
+        return sum(len(g.held) for g in self._groups) + sum(len(held) for _, held, _ in self._ready)
 
     @property
     def in_flight(self) -> int:
@@ -137,10 +151,10 @@ class FSDPReductionHandle:
             RuntimeError: a background reduction failed or timed out (named).
         """
         ready, self._ready = self._ready, []
-        for group, held in ready:
+        for group, held, all_reduce in ready:
             self._timed(
                 f"reduce-scatter {group.name}",
-                lambda group=group, held=held: reduce_group_now(group.group, held),
+                lambda group=group, held=held, all_reduce=all_reduce: group.reduce(held, all_reduce),
             )
         if self._reducer is not None:
             self._reducer.wait()
@@ -163,11 +177,22 @@ class FSDPReductionHandle:
 
         Returns:
             The number of gradients handed back.
+
+        Raises:
+            RuntimeError: under HSDP, deferred gradients were reduce-scattered without their all-reduce
+                (``set_requires_all_reduce(False)``): FSDP2's own partial sum has another layout.
         """
         self.finish_background()
+        partial = [g.name for g in self._groups if g.partial is not None]
+        if partial:
+            raise RuntimeError(
+                f"defer_fsdp_reduction handle: FSDP groups {partial} hold reduce-scattered deferred gradients "
+                "awaiting their HSDP all-reduce (set_requires_all_reduce(False)); they cannot be handed back to "
+                "FSDP2: all-reduce on the last microbatch before release_to_fsdp()"
+            )
         ready, self._ready = self._ready, []
         n = 0
-        for g, held in [(g, g.held) for g in self._groups] + ready:
+        for g, held in [(g, g.held) for g in self._groups] + [(g, held) for g, held, _ in ready]:
             g.held = {}
             for fsdp_param, grad in held.items():
                 hand_back(fsdp_param, grad)
@@ -186,11 +211,13 @@ class FSDPReductionHandle:
             RuntimeError: gradients are held (name the groups); reduce them first (sync on, ``backward_dw``,
                 ``finish()``).
         """
-        holding = [g.name for g in self._groups if g.held] + [g.name for g, _ in self._ready]
+        holding = [g.name for g in self._groups if g.held or g.partial is not None]
+        holding += [g.name for g, _, _ in self._ready]
         if holding:
             raise RuntimeError(
                 f"defer_fsdp_reduction handle: FSDP groups {holding} hold deferred gradients not reduced yet "
-                "(gradient sync off, wgrad work still owed, or finish() not called); removing now would lose them"
+                "(gradient sync off, wgrad work still owed, finish() not called, or an HSDP all-reduce skipped by "
+                "set_requires_all_reduce(False)); removing now would lose them"
             )
         if self._reducer is not None:
             self._reducer.close()
@@ -214,14 +241,14 @@ class _InstanceAttr:
         self.obj.__dict__.pop(self.name, None)
 
 
-def _wait_first(handle: FSDPReductionHandle, group: object):
-    """``group.post_backward`` that first joins ``handle``'s background reductions (same process group)."""
+def _wait_first(handle: FSDPReductionHandle, obj: object, method: str):
+    """``obj.<method>`` that first joins ``handle``'s background reductions, then runs the class's method."""
 
-    def post_backward(*args: object) -> None:
+    def wrapped(*args: object, **kwargs: object) -> object:
         handle.finish_background()
-        type(group).post_backward(group, *args)
+        return getattr(type(obj), method)(obj, *args, **kwargs)
 
-    return post_backward
+    return wrapped
 
 
 def defer_fsdp_reduction(
@@ -234,12 +261,13 @@ def defer_fsdp_reduction(
     DTensor ``.grad`` equal to immediate mode.
 
     Args:
-        model: a module tree containing ``fully_shard``-ed modules and splitgrad split layers.
+        model: a module tree containing ``fully_shard``-ed modules (1-D mesh, or a 2-D HSDP mesh) and
+            splitgrad split layers.
         mode: when a group whose last W ran (gradient sync on) is reduce-scattered: ``"last_w"`` inside that
             task; ``"finish"`` at ``handle.finish()``; ``"async"`` on a background thread started then (with
             its own reduce-scatter process group, ``set_separate_reduce_scatter_group``), joined by
-            ``handle.finish()``, by the model's next forward, or by FSDP2's next ``post_backward`` of the
-            model. With ``"async"``, read ``.grad`` (``clip_grad_norm_``, ``optimizer.step()``) only after
+            ``handle.finish()``, by the model's next forward, by FSDP2's next ``post_backward`` of the
+            model, or by ``set_requires_gradient_sync``/``set_requires_all_reduce`` on its FSDP2 modules. With ``"async"``, read ``.grad`` (``clip_grad_norm_``, ``optimizer.step()``) only after
             ``finish()``.
         timeout: seconds ``finish()`` waits for each background reduction (``"async"``).
 
@@ -319,8 +347,13 @@ def defer_fsdp_reduction(
         # Every FSDP2 reduction of this model runs on that process group: FSDP2's own first joins the background.
         for _, module in fsdp_modules:
             for group in fsdp_param_groups(module):
-                group.post_backward = _wait_first(result, group)
+                group.post_backward = _wait_first(result, group, "post_backward")
                 handles.append(_InstanceAttr(group, "post_backward"))
+            # A background reduction sets the group's sync flags for its duration (the values of its last W)
+            # and puts them back: a flag the user changes meanwhile would be lost. Join first.
+            for setter in _FLAG_SETTERS:
+                module.__dict__[setter] = _wait_first(result, module, setter)
+                handles.append(_InstanceAttr(module, setter))
         # prepend: join before FSDP2's own pre-forward touches the groups.
         handles.append(model.register_forward_pre_hook(lambda *_: result.finish_background(), prepend=True))
     logger.debug(

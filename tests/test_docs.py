@@ -2,7 +2,8 @@
 
 Why: documentation is the newcomer's first program. A ```python block runs in a fresh namespace in a scratch
 directory; one preceded by ``<!-- run: ranks=N -->`` runs as a script under ``torchrun --nproc-per-node N``
-(what its ``dist.init_process_group`` expects); ``<!-- not-run: reason -->`` skips a block, with the reason
+(what its ``dist.init_process_group`` expects) and must leave no gloo worker thread alive after its last line
+(``tests/doc_exit_probe.py``, appended to it); ``<!-- not-run: reason -->`` skips a block, with the reason
 shown and the skips counted. In ```bash blocks, every ``python -m splitgrad ...`` command must parse (cheap
 ``schedule`` commands run for real), every ``make`` target must exist, and every benchmark script must exist
 and accept the flags shown. A fence without a language fails: output and pseudo-code are tagged ``text``.
@@ -29,6 +30,7 @@ LANGUAGES = {"python", "bash", "text"}
 MAX_NOT_RUN = 2  # exclusions stay rare; raising this needs a reason in the docs *and* a review
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(run|not-run):(.*?)-->\s*$")
+_EXIT_PROBE = (Path(__file__).parent / "doc_exit_probe.py").read_text()
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def run_python_block(block: Block, workdir: Path) -> None:
             os.chdir(cwd)
         return
     script = workdir / "block.py"
-    script.write_text(block.code)
+    script.write_text(block.code + _exit_probe(block))
     env = {**os.environ, "PYTHONPATH": _SRC, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={block.ranks}"]
     proc = subprocess.run(
@@ -113,6 +115,14 @@ def run_python_block(block: Block, workdir: Path) -> None:
         raise RuntimeError(
             f"{block.where} failed under torchrun (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
         )
+
+
+def _exit_probe(block: Block) -> str:
+    """The end-of-block check appended to a multi-rank block (after its last line, so its line numbers hold)."""
+    probe = _EXIT_PROBE[_EXIT_PROBE.index("def _splitgrad_doc_exit_probe") :]
+    return (
+        f"\n\n# --- appended by tests/test_docs.py ---\n{probe}\n_splitgrad_doc_exit_probe({block.where!r})\n"
+    )
 
 
 def _all_blocks() -> list[Block]:
@@ -190,6 +200,24 @@ def test_the_runner_rejects_a_block_failing_on_one_rank(tmp_path):
     )
     with pytest.raises(RuntimeError, match=r"(?s)ranks\.md:3 failed under torchrun.*rank 1 broke"):
         run_python_block(block, tmp_path)
+
+
+@pytest.mark.distributed
+def test_the_runner_rejects_a_block_leaving_a_gloo_worker_alive(tmp_path):
+    # A group the script keeps in a variable outlives destroy_process_group(): its gloo workers would run into
+    # interpreter shutdown (docs/parallel.md, "A crash at exit"). The same block without it passes (below).
+    code = (
+        'import torch.distributed as dist\ndist.init_process_group("gloo")\nkept = dist.new_group([0, 1])\n'
+        "dist.destroy_process_group()\n"
+    )
+    block = Block(tmp_path / "held.md", 5, "python", code, ("run", "ranks=2"))
+    with pytest.raises(
+        RuntimeError, match=r"(?s)held\.md:5: [1-9][0-9]* gloo worker thread\(s\) alive after the block's"
+    ):
+        run_python_block(block, tmp_path)
+    run_python_block(
+        Block(tmp_path / "held.md", 5, "python", code.replace("kept = ", ""), ("run", "ranks=2")), tmp_path
+    )
 
 
 # --- commands in bash blocks --------------------------------------------------------------------------------

@@ -7,7 +7,11 @@ Transformer Engine's names are kept (``delay_wgrad_compute``, ``backward_dw``, `
 
 from __future__ import annotations
 
+import contextlib as _contextlib
+import importlib as _importlib
 from typing import TYPE_CHECKING
+
+import torch.distributed as _dist
 
 from .convert import convert
 from .core import (
@@ -27,6 +31,15 @@ from .core import (
     split_modules,
 )
 from .module import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
+
+# torch.distributed.nn.functional binds the default process group *as it is at import* into its functions'
+# default arguments (`group=group.WORLD`). Imported after init_process_group (torch._dynamo pulls it in, e.g.
+# through the first torch.optim optimizer), that keeps the group, and its gloo worker threads, alive past
+# destroy_process_group(), where gloo can abort a finished rank at exit (docs/parallel.md, "A crash at exit").
+# splitgrad is usually imported before the group exists: importing it then binds None (about 4 ms of CPU).
+if _dist.is_available() and not _dist.is_initialized():
+    with _contextlib.suppress(ImportError):
+        _importlib.import_module("torch.distributed.nn.functional")
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy names below as ordinary imports
     # Subpackages, loaded on first attribute access (the redundant aliases mark them as re-exports).

@@ -78,7 +78,8 @@ def test_no_gloo_worker_is_left_at_interpreter_exit(tmp_path):
     # The abort at exit ("terminate called without an active exception") needs a gloo worker thread alive
     # during interpreter shutdown; destroying the group's last reference joins them. torch 2.13 keeps the
     # default group alive when torch.distributed._shard is first imported after init_process_group (every
-    # torch.optim optimizer does, through torch._dynamo), so the harness imports it before. Counted at exit
+    # torch.optim optimizer does, through torch._dynamo; it imports torch.distributed.nn.functional, whose
+    # default arguments bind the group), so `import splitgrad` imports that module first. Counted at exit
     # (load-independent); the count while the group lives shows the check can see the workers.
     alive = spawn(teardown_targets.gloo_workers_at_exit, 2, str(tmp_path), timeout=120)
     assert all(n >= 1 for n in alive), f"the counter sees no gloo worker while the group lives: {alive}"

@@ -12,6 +12,7 @@ from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
 from .fsdp_stage import FSDPStage
+from .teardown import destroy_process_group
 from .tensor import TensorParallelConfig, TensorParallelGroups, tensor_parallel_groups
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "TensorParallelConfig",
     "TensorParallelGroups",
     "defer_fsdp_reduction",
+    "destroy_process_group",
     "tensor_parallel_groups",
 ]

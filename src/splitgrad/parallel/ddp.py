@@ -34,6 +34,7 @@ from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
 from .ddp_hooks import detach, install_hooks
 from .grad_sync import GradSync
+from .group_ref import GroupRef
 from .readiness import StepCounts, count_contributions
 
 __all__ = ["DistributedDataParallel"]
@@ -87,10 +88,10 @@ class DistributedDataParallel(GradSync, nn.Module):
                 "DistributedDataParallel needs torch.distributed initialised (init_process_group)"
             )
         self.module = module
-        # The default group is looked up at each use, never stored: a reference held past
-        # destroy_process_group() keeps the group alive until interpreter exit, where gloo may abort. That
-        # includes the default group passed explicitly (`process_group=dist.group.WORLD`, the common spelling).
-        self._group = None if process_group is dist.group.WORLD else process_group
+        # The group is never held (group_ref.py): a reference held past destroy_process_group() keeps the
+        # group alive until interpreter exit, where gloo may abort. The default group (also passed explicitly,
+        # `process_group=dist.group.WORLD`, the common spelling) is looked up at each use, another weakly.
+        self._group: GroupRef | None = GroupRef(process_group, owner="DistributedDataParallel.process_group")
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")
@@ -169,7 +170,7 @@ class DistributedDataParallel(GradSync, nn.Module):
         """The data-parallel group (the default group, looked up now, when none was given); None once closed."""
         if self._closed:
             return None
-        return self._group if self._group is not None else dist.group.WORLD
+        return None if self._group is None else self._group.get()
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:

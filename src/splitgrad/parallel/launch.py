@@ -17,10 +17,7 @@ Each spawn costs process start-up and a torch import (seconds): batch many check
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import gc
-import importlib
 import os
 import pickle
 import queue as queue_mod
@@ -36,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .teardown import destroy_process_group
 
 __all__ = ["RankFailure", "SpawnError", "SpawnTimeoutError", "spawn"]
 
@@ -246,7 +245,6 @@ def _rank_main(
 ) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    _import_before_init()
     try:
         if backend is not None:
             if backend == "nccl":
@@ -263,11 +261,12 @@ def _rank_main(
         # that is about to exit.
         message = (rank, "ok", pickle.dumps(result))
         del result  # objects fn returned must not hold the process group past its destruction
-        gc.collect()  # nor objects of fn's in reference cycles: destroying the last reference joins gloo's workers
         # Torn down before reporting, so an error here fails the run; a crash later, at interpreter exit, is
         # caught by the parent from the exit code. (Not after a failure: peers may be stuck in a collective.)
+        # teardown's destroy collects fn's reference cycles and DTensor's caches first: destroying the last
+        # reference joins gloo's workers.
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
         kind = type(exc)
         message = (
@@ -278,15 +277,3 @@ def _rank_main(
     results_q.put(message)
     results_q.close()
     results_q.join_thread()
-
-
-def _import_before_init() -> None:
-    """Import what torch would otherwise import after ``init_process_group`` and keep the default group alive.
-
-    torch 2.13: importing ``torch.distributed._shard`` (pulled in by ``torch._dynamo``, which the first
-    ``torch.optim`` optimizer imports) once a default group exists keeps that group alive past
-    ``destroy_process_group()``; its gloo worker threads then run into interpreter shutdown, where they can
-    abort the rank (docs/parallel.md, "A crash at exit"). Imported first, it holds nothing. About 50 ms.
-    """
-    with contextlib.suppress(ImportError):  # a torch without it cannot hold the group through it either
-        importlib.import_module("torch.distributed._shard")

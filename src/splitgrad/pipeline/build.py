@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel.group_ref import GroupRef
 from .actions import Schedule
 from .executor import LossFn
 from .runtime import PipelineRuntime, resolve_pipeline_rank
@@ -61,18 +61,37 @@ def sequential_stages(
     return stages
 
 
-@dataclass(frozen=True, slots=True)
 class PipelineGroups:
-    """This rank's place in a ``pp_size x dp_size`` layout and its two process groups."""
+    """This rank's place in a ``pp_size x dp_size`` layout and its two process groups.
 
-    pp_rank: int
-    """Index in the pipeline (the schedule's rank)."""
-    dp_rank: int
-    """Index of the pipeline replica."""
-    pp_group: dist.ProcessGroup
-    """The ranks of this replica's pipeline, ``dp_rank * pp_size + [0, pp_size)``."""
-    dp_group: dist.ProcessGroup | None
-    """The ranks holding the same stages in every replica (None when ``dp_size == 1``)."""
+    The groups are held weakly (torch's registry holds them until ``dist.destroy_process_group()``): this
+    object, kept in a script's globals, must not keep their gloo workers alive to interpreter exit.
+    """
+
+    __slots__ = ("_dp", "_pp", "dp_rank", "pp_rank")
+
+    def __init__(
+        self, *, pp_rank: int, dp_rank: int, pp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup | None
+    ) -> None:
+        self.pp_rank = pp_rank
+        """Index in the pipeline (the schedule's rank)."""
+        self.dp_rank = dp_rank
+        """Index of the pipeline replica."""
+        self._pp = GroupRef(pp_group, owner="PipelineGroups.pp_group")
+        self._dp = None if dp_group is None else GroupRef(dp_group, owner="PipelineGroups.dp_group")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks of this replica's pipeline, ``dp_rank * pp_size + [0, pp_size)``."""
+        return self._pp.get()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same stages in every replica (None when ``dp_size == 1``)."""
+        return None if self._dp is None else self._dp.get()
+
+    def __repr__(self) -> str:
+        return f"PipelineGroups(pp_rank={self.pp_rank}, dp_rank={self.dp_rank})"
 
 
 def pipeline_groups(pp_size: int, dp_size: int = 1, *, backend: str | None = None) -> PipelineGroups:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..parallel.group_ref import GroupRef
 from ._comm_state import Channel, Incoming, MessageKey, Meta, Sent, StepState, describe, message_key
 from ._header import HEADER_LEN, decode_header, encode_header
 from .actions import Action, Schedule, Transfer
@@ -74,14 +75,15 @@ class PipelineComm:
     ) -> None:
         self.schedule = schedule
         self.rank = rank
-        self.group = group
+        # Looked up at use (parallel/group_ref.py): the transport must not keep the group alive past
+        # destroy_process_group().
+        self._group = GroupRef(group, owner="PipelineComm.group")
         self.device = device
         self.timeout = float(timeout)
         self.prefetch_enabled = prefetch
         # NCCL groups a batch into one launch; elsewhere a batch is the ops posted one by one, straight on
         # the process group (what dist.isend / irecv do after their argument checks).
         self._coalesce = dist.get_backend(group) == "nccl"
-        self._pg = group if group is not None else dist.group.WORLD
         self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
         # Messages from each peer in that peer's send order, and which of them open a channel (carry a header
@@ -117,6 +119,15 @@ class PipelineComm:
         self._state = StepState()
         #: What the last completed step's messages did (:class:`~splitgrad.pipeline.comm_stats.CommStats`).
         self.last_stats: CommStats | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The pipeline process group (None: the default group)."""
+        return self._group.get_or_none()
+
+    @property
+    def _pg(self) -> dist.ProcessGroup:
+        return self._group.get()
 
     def _rank_of(self, global_rank: int) -> int:
         return next((r for r, g in self._global.items() if g == global_rank), global_rank)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import ensure_no_pending_wgrad
+from ..parallel.group_ref import GroupRef
 from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
@@ -115,7 +116,9 @@ class PipelineRuntime:
         distributed = dist.is_available() and dist.is_initialized()
         rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
         self.rank = rank
-        self.pp_group = pp_group
+        # Looked up at use, never held (parallel/group_ref.py): a runtime left in the user's globals must not
+        # keep the group's gloo workers alive past destroy_process_group().
+        self._pp_group = GroupRef(pp_group, owner="PipelineRuntime.pp_group")
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
         self.broadcast_loss = broadcast_loss
@@ -370,6 +373,11 @@ class PipelineRuntime:
 
     # -- teardown ----------------------------------------------------------------------------------------
 
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline process group (None: the default group); raises once it was destroyed."""
+        return self._pp_group.get_or_none()
+
     def close(self) -> None:
         """Release this rank's hold on the process groups: the transport, and the stages' data-parallel wrappers.
 
@@ -384,7 +392,7 @@ class PipelineRuntime:
         if self.comm is not None:
             self.comm.abort()
         self.comm = None
-        self.pp_group = None
+        self._pp_group = GroupRef(None, owner="PipelineRuntime.pp_group")
         for module in self.stages.values():
             close = getattr(module, "close", None)
             if callable(close):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
+from ..group_ref import GroupRef
 from .baton import ComputeBaton
 
 __all__ = [
@@ -293,7 +294,10 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pending, backward_group, in_backward_flight, baton):  # type: ignore[override]
-        ctx.splits, ctx.group, ctx.what, ctx.log = pending.splits, backward_group, pending.what, pending.log
+        # The group is looked up / held weakly (parallel/group_ref.py): a graph kept alive by a tensor in the
+        # user's globals must not keep the group's gloo workers alive past destroy_process_group().
+        ctx.group = GroupRef(backward_group, owner=f"AllToAll ({pending.what}) backward_group")
+        ctx.splits, ctx.what, ctx.log = pending.splits, pending.what, pending.log
         ctx.wait_log = pending.wait_log
         ctx.in_flight, ctx.baton = in_backward_flight, baton
         ctx.advance_pair = None
@@ -314,7 +318,7 @@ class AllToAll(torch.autograd.Function):
             grad,
             in_splits,
             out_splits,
-            ctx.group,
+            ctx.group.get(),
             f"{ctx.what} backward",
             ctx.log,
             while_in_flight if in_flight is not None or advance is not None else None,

@@ -33,6 +33,7 @@ from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
+from ..group_ref import GroupRef
 from .all_to_all import await_exchange, finish_all_to_all, start_all_to_all, start_count_exchange, wait_work
 from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
@@ -91,14 +92,23 @@ class ExpertParallelMoEMLP(MoEMLP):
                 f"ExpertParallelMoEMLP: the expert-parallel size must divide num_experts, got "
                 f"num_experts={config.num_experts} ep_size={ep_size}"
             )
-        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, dist.get_rank(ep_group)
-        self.backward_group = backward_group if backward_group is not None else ep_group
-        if dist.get_world_size(self.backward_group) != ep_size:
+        self.ep_size, self.ep_rank = ep_size, dist.get_rank(ep_group)
+        backward_group = backward_group if backward_group is not None else ep_group
+        if dist.get_world_size(backward_group) != ep_size:
             raise ValueError(
                 f"ExpertParallelMoEMLP: backward_group must have the ep_group's {ep_size} ranks, got "
-                f"{dist.get_world_size(self.backward_group)}"
+                f"{dist.get_world_size(backward_group)}"
             )
-        self.dp_group = dp_group if dp_group is not None else ep_group
+        # Held weakly or looked up at use (parallel/group_ref.py): a model left in the user's globals must not
+        # keep the groups' gloo workers alive past destroy_process_group().
+        self._groups = {
+            name: GroupRef(group, owner=f"ExpertParallelMoEMLP.{name}")
+            for name, group in (
+                ("ep_group", ep_group),
+                ("backward_group", backward_group),
+                ("dp_group", dp_group if dp_group is not None else ep_group),
+            )
+        }
         self.dp_size = dist.get_world_size(self.dp_group)
         self.num_experts = config.num_experts
         self.local_experts = config.num_experts // ep_size
@@ -144,6 +154,21 @@ class ExpertParallelMoEMLP(MoEMLP):
         # Expert parameters are reduced over the expert-data-parallel group, not the dense one.
         for p in self.expert_parameters():
             p.expert_parallel = True
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The expert-parallel group."""
+        return self._groups["ep_group"].get()
+
+    @property
+    def backward_group(self) -> dist.ProcessGroup:
+        """The group of the backward's all-to-alls (``ep_group`` unless one was given)."""
+        return self._groups["backward_group"].get()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The dense parameters' data-parallel group (``ep_group`` unless one was given)."""
+        return self._groups["dp_group"].get()
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's experts (``fc1`` and ``fc2``)."""

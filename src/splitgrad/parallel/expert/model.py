@@ -43,7 +43,12 @@ class ExpertParallelMoEGPT(MoEGPT):
             raise ValueError("ExpertParallelMoEGPT needs an ep_group; the single-process model is MoEGPT")
         # Read by _make_mlp, which GPT.__init__ calls before this class could set attributes normally.
         object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts, ep_backward_group))
-        super().__init__(config, device=device)
+        try:
+            super().__init__(config, device=device)
+        finally:
+            # Needed only while the layers are built: kept, it would hold the groups (and their gloo workers)
+            # past destroy_process_group(); the layers look them up themselves.
+            object.__delattr__(self, "_expert_parallel")
 
     def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
         del layer

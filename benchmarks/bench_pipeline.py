@@ -33,9 +33,10 @@ What is measured, in two 2-rank spawns (every variant in each, run round-robin s
 The last table reads off issue 13 item 5 in one run: per splitgrad schedule and activation rank, the
 measured bubble next to the simulated one at the measured per-stage costs (target: within 0.01), the
 throughput over PyTorch's best zero-bubble variant of the same activations (native or through the adapter;
-the median over rounds of the per-round ratio; target >= 1.00), and the receive buffers the runtime held posted ahead (rank 0). Next to it, each step
-replayed at its own per-action durations (:func:`splitgrad.pipeline.replay.replay_measured`: the simulator's
-engine without the compute jitter a median-cost simulation cannot see): measured - replay is the runtime's
+the median over rounds of the per-round ratio; target >= 1.00), and the receive buffers the runtime held
+posted ahead (rank 0). Next to it, each step replayed at its own per-action durations
+(:func:`splitgrad.pipeline.replay.replay_measured`: the simulator's engine without the compute jitter a
+median-cost simulation cannot see): measured - replay is the runtime's
 overhead, split on the longest-span rank into dispatch / transport / propagated ms per step
 (:func:`~splitgrad.pipeline.replay.overhead_split`), and rank 0's runtime CPU per action outside the handlers
 (``StepResult.runtime_cpu``). On a shared machine run it in the rate-limited namespace: ``python

@@ -8,8 +8,9 @@ running "backward of microbatch 0, forward of microbatch 1" in order and overlap
 conditions (``--driver`` picks how the overlapped pair interleaves: ``threads`` or ``steps``). Printed: losses,
 the pair's median time in each order, the all-to-all time of the pair, and the fraction of it hidden (the
 median over pairs of a sequential step and the overlapped step after it). Written: a Perfetto/Chrome timeline
-of the last overlapped step, with compute and communication in separate lanes per rank. For meaningful overlap figures run it inside a rate-limited
-namespace (``benchmarks/_netns.py``); on plain loopback gloo's exchanges are CPU work.
+of the last overlapped step, with compute and communication in separate lanes per rank. For meaningful overlap
+figures run it inside a rate-limited namespace (``benchmarks/_netns.py``); on plain loopback gloo's exchanges
+are CPU work.
 """
 
 from __future__ import annotations

@@ -267,7 +267,8 @@ def defer_fsdp_reduction(
             task; ``"finish"`` at ``handle.finish()``; ``"async"`` on a background thread started then (with
             its own reduce-scatter process group, ``set_separate_reduce_scatter_group``), joined by
             ``handle.finish()``, by the model's next forward, by FSDP2's next ``post_backward`` of the
-            model, or by ``set_requires_gradient_sync``/``set_requires_all_reduce`` on its FSDP2 modules. With ``"async"``, read ``.grad`` (``clip_grad_norm_``, ``optimizer.step()``) only after
+            model, or by ``set_requires_gradient_sync``/``set_requires_all_reduce`` on its FSDP2 modules.
+            With ``"async"``, read ``.grad`` (``clip_grad_norm_``, ``optimizer.step()``) only after
             ``finish()``.
         timeout: seconds ``finish()`` waits for each background reduction (``"async"``).
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core.profiling import profiler_active
+from ..core.profiling import profiler_active  # re-exported: its public home before core needed it
 from .actions import Action, Schedule
 from .replay import covered_length, replay_measured
 from .simulate import SimulationResult, simulate

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import ensure_no_pending_wgrad
+from ..core.profiling import profiler_active
 from ..parallel.group_ref import GroupRef
 from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
@@ -40,7 +41,6 @@ from .measure import (
     TimelineRecorder,
     bubble_report,
     gather_events,
-    profiler_active,
     save_measured_timeline,
 )
 from .passes import add_grad_sync, has_grad_sync

@@ -13,7 +13,11 @@ all-to-alls of that pair alone (the same split sizes, no compute). Two wgrad mod
 
 Reported (rank 0, medians):
 
-* ``comm alone``: the pair's dispatch/combine exchanges (forward of one microbatch + backward of the other);
+* ``comm alone``: the pair's dispatch/combine exchanges (forward of one microbatch + backward of the other),
+  one after the other with nothing else running; ``comm CPU``: this process's CPU time meanwhile (gloo's
+  threads, the kernel's socket copies charged to them). That CPU needs the core the compute runs on, so on
+  this box at most ``hideable = (comm - comm CPU) / comm`` can vanish behind compute (an accelerator's
+  transfers would not take it from the compute);
 * ``sequential`` / ``overlapped``: the pair's wall time, and its CPU time (both threads; load-independent);
 * ``hidden = (sequential - overlapped) / comm alone``, per sample (the sample's sequential and overlapped pair
   ran back to back and its exchanges right after) and the median of those, with its quartiles; next to the
@@ -64,13 +68,15 @@ def _pair_exchanges(model: MoEGPT, group: dist.ProcessGroup) -> list[tuple[list[
     return out
 
 
-def _comm_alone(exchanges, group) -> float:
+def _comm_alone(exchanges, group) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``exchanges`` one after the other, nothing else running. The buffers are made
+    first: filling 8 x 4 MiB with ``randn`` inside the timed loop once added ~50 ms of compute to "comm"."""
+    buffers = [(torch.randn(sum(s), w), torch.empty(sum(r), w)) for s, r, w in exchanges]
     dist.barrier(group)
-    start = time.perf_counter()
-    for sends, recvs, width in exchanges:
-        x = torch.randn(sum(sends), width)
-        dist.all_to_all_single(torch.empty(sum(recvs), width), x, recvs, sends, group=group)
-    return time.perf_counter() - start
+    start, cpu = time.perf_counter(), time.process_time()
+    for (sends, recvs, _), (x, out) in zip(exchanges, buffers, strict=True):
+        dist.all_to_all_single(out, x, recvs, sends, group=group)
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -149,7 +155,7 @@ def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: b
     config = MoEConfig(
         vocab_size=256, seq_len=args.seq, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
         ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
-        delay_wgrad_compute=delayed,
+        delay_wgrad_compute=delayed, router_force_load_balancing=args.balanced_routing,
     )  # fmt: skip
     model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
     gen = torch.Generator().manual_seed(rank)
@@ -165,7 +171,7 @@ def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: b
 def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
     model, fwd, ids, comm_log, wgrad_log, wait_log = build_pair_model(rank, world, args, delayed)
     variants = ["sequential", *args.drivers]
-    timings: dict[str, list[float]] = {"comm alone": []}
+    timings: dict[str, list[float]] = {"comm alone": [], "comm cpu": []}
     for sample in range(args.warmup + args.samples):
         for variant in variants:
             loss0 = lm_loss(model(ids[0]), ids[0])
@@ -199,7 +205,9 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
                 timings.setdefault(variant, []).append(elapsed)
                 timings.setdefault(f"{variant} cpu", []).append(cpu)
         if sample >= args.warmup:
-            timings["comm alone"].append(_comm_alone(_pair_exchanges(model, fwd), fwd))
+            wall, cpu = _comm_alone(_pair_exchanges(model, fwd), fwd)
+            timings["comm alone"].append(wall)
+            timings["comm cpu"].append(cpu)
     out = {k: statistics.median(v) for k, v in timings.items()}
     for variant in args.drivers:
         # Paired per sample (its sequential and overlapped pair ran back to back, its exchanges right after):
@@ -235,6 +243,12 @@ def add_pair_arguments(parser: argparse.ArgumentParser, driver_help: str) -> Non
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--balanced-routing",
+        action="store_true",
+        help="route round-robin (MoEConfig.router_force_load_balancing): every expert, hence every rank, gets the "
+        "same number of token copies; without it the learned router loads the ranks unevenly",
+    )
     parser.add_argument(
         "--driver",
         dest="drivers",
@@ -277,23 +291,26 @@ def main() -> None:
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "
+        f"routing {'balanced (forced)' if args.balanced_routing else 'learned'}; "
         f"exclusive_compute={args.exclusive_compute}; rank 0 medians"
     )
     print(
-        "| wgrad | driver | comm alone (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up | A2A hidden | "
-        "(quartiles) | coverable | pair CPU seq / ovl (ms) | waits covered by order |"
+        "| wgrad | driver | comm alone (ms) | comm CPU (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up "
+        "| A2A hidden | (quartiles) | coverable | hideable | pair CPU seq / ovl (ms) | waits covered by order |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         r = results[0][mode]
         comm, seq = r["comm alone"], r["sequential"]
         coverable = min(comm, max(seq - comm, 0.0)) / comm
+        hideable = max(comm - r["comm cpu"], 0.0) / comm
         for driver in args.drivers:
             ovl = r[driver]
             print(
-                f"| {mode} | {driver} | {comm * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} | {seq / ovl:.3f} | "
-                f"{r[f'{driver} hidden']:.0%} | [{r[f'{driver} hidden q'][0]:.0%}, {r[f'{driver} hidden q'][1]:.0%}] | "
-                f"{coverable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
+                f"| {mode} | {driver} | {comm * 1e3:.1f} | {r['comm cpu'] * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} "
+                f"| {seq / ovl:.3f} | {r[f'{driver} hidden']:.0%} | "
+                f"[{r[f'{driver} hidden q'][0]:.0%}, {r[f'{driver} hidden q'][1]:.0%}] | "
+                f"{coverable:.0%} | {hideable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
                 f"{r[f'{driver} cpu'] * 1e3:.1f} | {r[f'{driver} covered by order']:.0%} |"
             )
 

@@ -186,7 +186,8 @@ def main() -> None:
     check_drivers(parser, args)
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
-        f"tokens/microbatch/rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} layers; rank 0 medians"
+        f"tokens/microbatch/rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} layers; routing "
+        f"{'balanced (forced)' if args.balanced_routing else 'learned'}; rank 0 medians"
     )
     print(
         "| wgrad | switch (ms) | threads | cpu seq (ms) | cpu fwd + bwd (ms) | ctx sw vol / invol | torch threads fwd/bwd, OS "

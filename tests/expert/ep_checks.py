@@ -127,7 +127,10 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
                 raise AssertionError("a wrong expert's gradient was accepted")
         idle = [n for layer in moe_layers(ep) for n in layer.last_tokens_per_expert if n == 0]
         received = [sum(layer.last_tokens_per_expert) for layer in moe_layers(ep)]
-        report.append({"idle_experts": len(idle), "tokens": received, "negative": negative})
+        per_expert = [layer.last_tokens_per_expert for layer in moe_layers(ep)]
+        report.append(
+            {"idle_experts": len(idle), "tokens": received, "per_expert": per_expert, "negative": negative}
+        )
     return report
 
 

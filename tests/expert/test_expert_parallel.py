@@ -5,7 +5,7 @@ all-to-all), regroups them per local expert and moves the outputs back; the aux 
 mistake in the permutations, the splits, the backward exchange or the loss weighting shows up as a gradient
 that differs from the reference, so every loss, block-input gradient and parameter gradient (experts, router,
 dense) is compared in float64, in immediate and delayed modes (delayed bitwise equal to immediate), for
-module-based and ops-based experts, with experts that receive no token. Each case also runs two microbatches
+module-based and ops-based experts, with experts that receive no token, and with the benchmarks' forced-balance routing. Each case also runs two microbatches
 through the single-thread steps driver of ``overlapped_forward_backward`` (one group): bitwise as in order.
 """
 
@@ -20,6 +20,8 @@ CASES_2 = [
     ({}, 2, 8, "module"),
     ({"top_k": 1, "activation": "swiglu", "bias": False, "norm_topk_prob": True}, 2, 8, "ops"),
     # 2 x 3 tokens over 8 experts, top-1: most experts get no token.
+    # The benchmarks' forced balance: 2 x 8 tokens x top-2 per rank divides by 4 experts.
+    ({"router_force_load_balancing": True}, 2, 8, "module"),
     ({"num_experts": 8, "top_k": 1}, 1, 3, "module"),
 ]
 CASES_3 = [
@@ -33,6 +35,8 @@ def test_expert_parallel_matches_single_process(world, cases):
     reports = spawn(ep_checks.exactness, world, cases, timeout=240.0, pg_timeout=120.0)
     # The idle-expert cases really had experts without tokens.
     assert reports[0][-1]["idle_experts"] > 0
+    if world == 2:  # the forced-balance case: every expert got the same global count (2 ranks x 32 / 4)
+        assert reports[0][2]["per_expert"] == [[16, 16, 16, 16]] * 2
     # The negative check (a wrong expert's gradient is rejected) ran on every rank.
     assert all(any(case["negative"] for case in report) for report in reports)
 

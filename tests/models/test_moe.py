@@ -22,6 +22,8 @@ VARIANTS = {
     "top2-normalized-rmsnorm": ({"norm_topk_prob": True, "normalization": "RMSNorm"}, (2, 16)),
     # 4 tokens over 8 experts: several experts get no token (empty GroupedLinear groups).
     "idle-experts": ({"num_experts": 8, "top_k": 1}, (1, 4)),
+    # The benchmark switch: round-robin experts, learned weights (and aux loss) still differentiated.
+    "forced-balance": ({"router_force_load_balancing": True, "norm_topk_prob": True}, (2, 16)),
 }
 
 
@@ -75,6 +77,27 @@ def test_aux_loss_of_balanced_routing_is_the_coefficient():
         torch.tensor([[1.0, 0, 0, 0]] * 8, dtype=torch.float64), torch.tensor([8, 8, 0, 0])
     )
     assert skewed > 0.3, "a collapsed router must cost more than a balanced one"
+
+
+def test_forced_load_balancing_routes_round_robin_and_keeps_router_gradients():
+    config = moe_config(router_force_load_balancing=True)
+    ids, targets = batch(config, batch_size=2, seq=6)  # 12 tokens x top-2 over 4 experts: 6 copies each
+    model = build(MoEGPT, config)
+    train_step(model, ids, targets, delayed=False)
+    for layer in moe_layers(model):
+        assert layer.last_tokens_per_expert == [6, 6, 6, 6]
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    # Not the learned choice: the same weights routed by their scores load the experts unevenly.
+    learned = build(MoEGPT, moe_config())
+    learned.load_state_dict(model.state_dict())
+    train_step(learned, ids, targets, delayed=False)
+    assert any(layer.last_tokens_per_expert != [6, 6, 6, 6] for layer in moe_layers(learned))
+    # T * k not divisible by E: at most one copy apart.
+    ids, targets = batch(config, batch_size=1, seq=5)
+    with torch.no_grad():
+        model(ids)
+    for layer in moe_layers(model):
+        assert sorted(layer.last_tokens_per_expert) == [2, 2, 3, 3]
 
 
 def test_permutation_keeps_each_token_with_its_experts():

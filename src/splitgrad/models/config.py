@@ -137,6 +137,14 @@ class MoEConfig(GPTConfig):
     the plain softmax probabilities (Switch/GShard)."""
     aux_loss_coef: float = 1e-2
     """Weight of the load-balancing loss ``num_experts * sum_i f_i * P_i`` of every MoE layer."""
+    router_force_load_balancing: bool = False
+    """For benchmarks only (Megatron-Core's ``moe_router_force_load_balancing``): copy ``j`` of token ``t`` of a
+    layer's input (flattened, ``t < T``) goes to expert ``(t * top_k + j) % num_experts`` whatever the scores,
+    so every expert receives the same number of copies when ``T * top_k`` divides by ``num_experts`` (at most
+    one apart otherwise) and no expert-parallel rank waits for a busier one. The router's probabilities still
+    weight the copies and feed the aux loss, so every parameter keeps its gradient. Expert parallelism then
+    matches the single-process model on the global batch when each rank's ``T * top_k`` divides by
+    ``num_experts`` (a token's experts depend on its index)."""
 
     def __post_init__(self) -> None:
         # Explicit base call: zero-argument super() breaks in slots dataclasses (the class is recreated).

@@ -67,6 +67,16 @@ def moe_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     return (F.silu(a) if activation == "swiglu" else F.gelu(a, approximate="tanh")) * b
 
 
+def _balanced_experts(
+    tokens: int, top_k: int, num_experts: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The forced-balance routing (``MoEConfig.router_force_load_balancing``): ``(tokens, top_k)`` int64, copy
+    ``j`` of token ``t`` to expert ``(t * top_k + j) % num_experts`` (distinct per token since ``top_k <=
+    num_experts``)."""
+    slots = torch.arange(tokens * top_k, device=device).view(tokens, top_k)
+    return slots % num_experts
+
+
 class MoEMLP(nn.Module):
     """The MoE branch of a block: ``(batch, seq, hidden)`` -> ``(batch, seq, hidden)`` (residual not added).
 
@@ -80,20 +90,25 @@ class MoEMLP(nn.Module):
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
-        self.num_experts = config.num_experts
-        self.top_k = config.top_k
-        self.activation = config.activation
-        self.norm_topk_prob = config.norm_topk_prob
-        self.aux_loss_coef = config.aux_loss_coef
-        self.aux_loss_scale = 1.0
-        self.last_aux_loss: torch.Tensor | None = None
-        self.last_tokens_per_expert: list[int] | None = None
+        self._init_routing(config)
         h, f, e = config.hidden_size, config.moe_ffn_hidden_size, config.num_experts
         gated = config.activation in ("swiglu", "geglu")
         self.norm = Norm(config)
         self.router = Linear(h, e, False, **split_kwargs(config))
         self.fc1 = GroupedLinear(e, h, 2 * f if gated else f, config.bias, **split_kwargs(config))
         self.fc2 = GroupedLinear(e, f, h, config.bias, **split_kwargs(config))
+
+    def _init_routing(self, config: MoEConfig) -> None:
+        """The routing and aux-loss settings and statistics (shared with the expert-parallel layer)."""
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.activation = config.activation
+        self.norm_topk_prob = config.norm_topk_prob
+        self.force_load_balancing = config.router_force_load_balancing
+        self.aux_loss_coef = config.aux_loss_coef
+        self.aux_loss_scale = 1.0
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_tokens_per_expert: list[int] | None = None
 
     def residual_output_weights(self) -> list[nn.Parameter]:
         """fc2's per-expert matrices (they write into the residual stream)."""
@@ -104,11 +119,16 @@ class MoEMLP(nn.Module):
 
         Returns:
             ``(probs, weights, experts)``: ``probs: (T, E)`` softmax in at least fp32, ``weights: (T, k)`` in
-            ``h``'s dtype, ``experts: (T, k)`` int64.
+            ``h``'s dtype, ``experts: (T, k)`` int64 (the round-robin choice of
+            ``MoEConfig.router_force_load_balancing`` when it is set, the top-k of ``probs`` otherwise).
         """
         logits = self.router(h)
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.force_load_balancing:
+            experts = _balanced_experts(h.shape[0], self.top_k, self.num_experts, h.device)
+            weights = probs.gather(1, experts)
+        else:
+            weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return probs, weights.to(h.dtype), experts

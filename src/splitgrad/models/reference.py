@@ -84,7 +84,13 @@ def _moe(x: torch.Tensor, p: Params, pre: str, config: MoEConfig) -> tuple[torch
     h = _norm(x.reshape(-1, shape[-1]), p[pre + "norm.weight"], p.get(pre + "norm.bias"), config)
     logits = _linear(h, p[pre + "router.weight"], None)
     probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    weights, experts = probs.topk(config.top_k, dim=-1)
+    if config.router_force_load_balancing:
+        # Its own spelling of the round-robin rule: token t's copy j to expert (t * top_k + j) mod E.
+        tokens, k = h.shape[0], config.top_k
+        experts = torch.tensor([[(t * k + j) % config.num_experts for j in range(k)] for t in range(tokens)])
+        weights = torch.stack([probs[t, experts[t]] for t in range(tokens)])
+    else:
+        weights, experts = probs.topk(config.top_k, dim=-1)
     if config.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     weights = weights.to(h.dtype)

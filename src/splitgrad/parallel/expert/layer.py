@@ -110,17 +110,10 @@ class ExpertParallelMoEMLP(MoEMLP):
             )
         }
         self.dp_size = dist.get_world_size(self.dp_group)
-        self.num_experts = config.num_experts
+        self._init_routing(config)
         self.local_experts = config.num_experts // ep_size
         self.expert_offset = self.ep_rank * self.local_experts
         self.experts_kind = experts
-        self.top_k = config.top_k
-        self.activation = config.activation
-        self.norm_topk_prob = config.norm_topk_prob
-        self.aux_loss_coef = config.aux_loss_coef
-        self.aux_loss_scale = 1.0
-        self.last_aux_loss: torch.Tensor | None = None
-        self.last_tokens_per_expert: list[int] | None = None
         self.last_dispatch_splits: tuple[list[int], list[int]] | None = None
         #: Set to a list to record every exchange as ``(name, start, end)`` (perf_counter seconds; timelines).
         self.comm_log: list | None = None

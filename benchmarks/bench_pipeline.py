@@ -42,6 +42,11 @@ overhead, split on the longest-span rank into dispatch / transport / propagated 
 (``StepResult.runtime_cpu``). On a shared machine run it in the rate-limited namespace: ``python
 benchmarks/_netns.py --rate 4gbit -- .venv/bin/python benchmarks/bench_pipeline.py``; ``--quick`` (tiny
 sizes, about a minute) only proves it runs.
+
+``--head-to-head`` times only splitgrad ``zbv`` and PyTorch's zero-bubble variants (16 rounds by default, no
+memory spawn, about 6 minutes): per PyTorch variant, splitgrad's throughput over it paired by round (median,
+quartiles, and in how many rounds splitgrad was faster), then the realisation table. Fewer variants per
+round make many more rounds affordable, which the throughput target needs on a noisy machine.
 """
 
 from __future__ import annotations
@@ -263,7 +268,14 @@ class RssSampler:
 REF, REF2 = "reference (1 process)", "reference, both ranks at once"
 
 
-def build_variants(cfg: BenchConfig, rank: int) -> dict[str, object]:
+def build_variants(cfg: BenchConfig, rank: int, head_to_head: bool = False) -> dict[str, object]:
+    """Every variant; ``head_to_head``: only splitgrad ``zbv`` and PyTorch's zero-bubble schedules."""
+    if head_to_head:
+        return {
+            k: v
+            for k, v in build_variants(cfg, rank).items()
+            if k.endswith("splitgrad zbv") or ("torch" in k and "ZB" in k)
+        }
     variants: dict[str, object] = {}
     for three_d in (False, True):
         tag = "3-D" if three_d else "2-D"
@@ -280,19 +292,24 @@ def build_variants(cfg: BenchConfig, rank: int) -> dict[str, object]:
     return variants
 
 
-def run_rank(rank: int, world: int, cfg_fields: dict, memory: bool) -> dict:
-    """Every variant, round-robin; ``memory``: sample RSS (1 measured step) instead of timing."""
+def run_rank(rank: int, world: int, cfg_fields: dict, memory: bool, head_to_head: bool = False) -> dict:
+    """Every variant (``head_to_head``: see :func:`build_variants`), round-robin, each round starting one
+    variant later (no variant always runs right after the same neighbour); ``memory``: sample RSS (1 measured
+    step) instead of timing."""
     cfg = BenchConfig(**cfg_fields)
     sampler = RssSampler() if memory else None
     b_to_w = b_to_w_memory(cfg) if memory and rank == 0 else None
     if memory:  # one-off lazy allocations (thread pools, BLAS buffers) must not count as a variant's "held"
         ReferenceVariant(cfg, False, rank=rank, both=True).step()
-    variants = build_variants(cfg, rank)
+    variants = build_variants(cfg, rank, head_to_head)
     held: dict[str, int] = {}
     samples: dict[str, list[tuple]] = {k: [] for k in variants}
+    keys = list(variants)
     try:
         for round_no in range(cfg.warmup + (1 if memory else cfg.rounds)):
-            for key, variant in variants.items():
+            shift = round_no % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                variant = variants[key]
                 variant.zero_grad()
                 dist.barrier()
                 base = sampler.reset() if sampler else 0
@@ -428,8 +445,9 @@ def summarize(cfg: BenchConfig, timing: list[dict], memory: list[dict]) -> dict[
         }
     for key, row in rows.items():
         tag = key.split("|")[0]
-        row["eff"] = rows[f"{tag}|{REF}"]["step"] / (2 * row["step"])
-        row["eff2"] = rows[f"{tag}|{REF2}"]["step"] / (2 * row["step"])
+        if f"{tag}|{REF}" in rows:  # not in a head-to-head run
+            row["eff"] = rows[f"{tag}|{REF}"]["step"] / (2 * row["step"])
+            row["eff2"] = rows[f"{tag}|{REF2}"]["step"] / (2 * row["step"])
     return rows
 
 
@@ -562,15 +580,59 @@ def print_realisation(rows: dict[str, dict]) -> None:
             )
 
 
+def print_head_to_head(cfg: BenchConfig, rows: dict[str, dict]) -> None:
+    """splitgrad ``zbv`` against every PyTorch zero-bubble variant of the same activations, paired by round."""
+    print(
+        f"\nHead to head, 2 gloo ranks x 1 thread: {asdict(cfg)}; load average now {os.getloadavg()[0]:.1f}\n"
+    )
+    print(
+        "| act. | variant | median step (s) | measured bubble | splitgrad zbv throughput / this (paired median) "
+        "| (quartiles) | rounds splitgrad faster |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for tag in ("2-D", "3-D"):
+        row = {k.split("|")[1]: v for k, v in rows.items() if k.startswith(tag)}
+        ours = row["splitgrad zbv"]["steps"]
+        for name, r in row.items():
+            ratios = [t / o for t, o in zip(r["steps"], ours)]
+            cells = "-", "-", "-"
+            if name != "splitgrad zbv":
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                faster = sum(x > 1 for x in ratios)
+                cells = (
+                    f"{statistics.median(ratios):.3f}",
+                    f"[{q[0]:.3f}, {q[2]:.3f}]",
+                    f"{faster} / {len(ratios)}",
+                )
+            print(
+                f"| {tag} | {name} | {r['step']:.3f} | {_cells([r['bubble']], '.3f')} | {cells[0]} | {cells[1]} "
+                f"| {cells[2]} |"
+            )
+    print_realisation(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds of compute)")
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per variant")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per 2-rank spawn")
+    parser.add_argument(
+        "--head-to-head",
+        action="store_true",
+        help="only splitgrad zbv and PyTorch's zero-bubble variants, timing only, paired throughput table "
+        "(default 16 rounds)",
+    )
     args = parser.parse_args()
     cfg = BenchConfig(**(dict(hidden=64, ffn=256, tokens=128, seq=32, rounds=2) if args.quick else {}))
+    if args.head_to_head and not args.quick:
+        cfg.rounds = 16
     if args.rounds is not None:
         cfg.rounds = args.rounds
+    if args.head_to_head:
+        timing = spawn(run_rank, 2, asdict(cfg), False, True, timeout=args.timeout, pg_timeout=600)
+        rows = summarize(cfg, timing, [])
+        print_head_to_head(cfg, rows)
+        return
     native: dict[str, str] = {}
     for name in TORCH_SCHEDULES[1:]:
         try:

@@ -382,17 +382,37 @@ def step_driver_errors(model, inputs) -> str:
     for layer in moe_layers(model):
         layer.comm_log = log
     ids = inputs[0]
-    # Backward part fails (dy of the wrong shape) after the forward issued its first dispatch.
+    # Backward part fails at once (dy of the wrong shape): before its first exchange, so before the forward
+    # started; nothing was issued.
     logits = model(ids)
     log.clear()
     try:
         overlapped_forward_backward(model, ids, logits, torch.ones(1, dtype=logits.dtype), driver="steps")
     except RuntimeError as exc:
-        if "backward part failed" not in str(exc) or [n for n, _, _ in log] != [
+        if "backward part failed" not in str(exc) or log:
+            raise AssertionError(f"backward failure: {exc}; exchanges waited {log}") from exc
+    else:
+        raise AssertionError("a failing backward part was not reported")
+    # Backward part fails in the first block, after the second block's exchanges advanced the forward twice:
+    # the forward's combine still in flight is waited before the error surfaces.
+    handle = model.blocks[0].register_full_backward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(KeyError("late"))
+    )
+    loss = lm_loss(model(ids), inputs[1])
+    handle.remove()
+    log.clear()
+    try:
+        overlapped_forward_backward(model, ids, loss, driver="steps")
+    except RuntimeError as exc:
+        waited = [n for n, _, _ in sorted(log, key=lambda entry: entry[1])]
+        if "backward part failed" not in str(exc) or waited != [
+            "combine backward",
             "dispatch counts",
             "dispatch",
+            "dispatch backward",
+            "combine",
         ]:
-            raise AssertionError(f"backward failure: {exc}; exchanges waited {log}") from exc
+            raise AssertionError(f"late backward failure: {exc}; exchanges waited {waited}") from exc
     else:
         raise AssertionError("a failing backward part was not reported")
     # Forward part fails in its second block, advanced from inside the backward's exchanges.
@@ -423,13 +443,14 @@ def step_driver_errors(model, inputs) -> str:
 
 
 def _check_step_stats(stats: dict, model) -> None:
-    """``thread_stats`` of a steps pair: one thread; every forward step but the first ran inside a backward
-    exchange (two per MoE layer, plus the end of the forward)."""
+    """``thread_stats`` of a steps pair: one thread; the backward started first and every forward step but the
+    last ran inside a backward exchange (two per MoE layer); the forward's end ran after the backward."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
     forward, backward, pair = stats["forward"], stats["backward"], stats["pair"]
     if forward["steps"] != 2 * len(layers) or forward["in_backward"] != 2 * len(layers):
         raise AssertionError(f"forward steps {forward} for {len(layers)} MoE layers")
-    if not (pair["start"] <= forward["start"] < backward["start"] < forward["end"] <= pair["end"]):
+    spans = (pair["start"], backward["start"], forward["start"], backward["end"], forward["end"], pair["end"])
+    if list(spans) != sorted(spans) or forward["start"] == backward["start"]:
         raise AssertionError(f"step spans out of order: {stats}")
     if not (forward["cpu"] > 0 and backward["cpu"] > 0 and forward["num_threads"] == 1):
         raise AssertionError(f"step stats {stats}")

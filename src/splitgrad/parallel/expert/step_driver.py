@@ -14,9 +14,13 @@ then waits. So each part's exchange is in flight while the other computes, and:
   race): forward and backward may share one process group;
 * one thread computes: no GIL contention, no time-slicing of two parts' GEMMs on one core.
 
-Order: the forward's first step (up to its first dispatch), then the backward with one forward step per
-backward exchange, then the forward's remaining steps. Gradients accumulate exactly as when running the
-backward, then the forward: bitwise the same training. The binding lives on the graph's own nodes for the
+Order (Megatron-Core's combined 1F1B): the backward runs first; its first exchange runs the forward's first step
+(up to its first dispatch), each later backward exchange one more step, and the forward's remaining steps run
+after the backward. So every exchange has a whole compute block of the other part over it: the backward's first
+combine the forward's attention, the forward's first dispatch the backward's expert dgrad. Running the forward's
+first step before the backward (``forward_first=True``) left that dispatch under the loss and head backward
+only, a few ms (exposed on a slow link). Gradients accumulate exactly as when running the backward, then the
+forward: bitwise the same training in either order. The binding lives on the graph's own nodes for the
 duration of the call (no module-level state) and is removed afterwards.
 """
 
@@ -123,6 +127,8 @@ def run_pair_in_steps(
     y: torch.Tensor,
     dy: torch.Tensor | None,
     stats: dict | None = None,
+    *,
+    forward_first: bool = False,
 ) -> Any:
     """``module(x)`` interleaved on this thread with ``torch.autograd.backward(y, dy)`` (see the module docstring).
 
@@ -135,6 +141,8 @@ def run_pair_in_steps(
             ``"backward"`` (``start`` / ``end`` of the backward, its ``cpu`` without the forward steps run inside,
             ``num_threads``) and ``"pair"`` (the whole call: ``start``, ``end``, ``cpu``, ``voluntary`` /
             ``involuntary`` context switches where the OS reports them).
+        forward_first: run the forward's first step before the backward starts (the earlier order); by default
+            the backward's first exchange runs it.
 
     Returns:
         ``module(x)``.
@@ -148,7 +156,8 @@ def run_pair_in_steps(
     backward_span = (0.0, 0.0, 0.0)
     try:
         bound = bind_backward_exchanges(y, part.advance_in_backward)
-        part.advance()  # the forward's first step: up to its first dispatch, in flight under the backward
+        if forward_first:
+            part.advance()  # the forward's first step: up to its first dispatch, in flight under the backward
         cpu_before, fwd_cpu_before, start = time.thread_time(), part.cpu, time.perf_counter()
         try:
             with torch.profiler.record_function("splitgrad.overlap.backward"):

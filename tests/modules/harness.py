@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
@@ -195,6 +196,41 @@ def check_missing_main_grad_is_an_error(case: Case) -> None:
         assert "main_grad" in str(err) and type(module).__name__ in str(err), str(err)
     else:
         raise AssertionError("fused backward without main_grad did not raise")
+
+
+def check_contract(case: Case) -> None:
+    """The mode is fixed at forward, main_grad is written when fused, a missing main_grad is an error."""
+    check_mode_fixed_at_forward(case)
+    check_fused_main_grad(case)
+    check_missing_main_grad_is_an_error(case)
+
+
+def correctness_tests(cases: list[Case], *, bf16_case: Case) -> tuple[Callable[..., None], ...]:
+    """The correctness tests every module file runs on its cases, for the file to bind to ``test_*`` names.
+
+    Returns ``(test_float64_matches_plain_torch, test_delayed_is_bitwise_immediate,
+    test_delayed_is_bitwise_immediate_bf16)``: every case in every mode against plain autograd in float64,
+    every case deferred against immediate bitwise, and ``bf16_case`` the same in bfloat16. pytest collects
+    them under the names the file binds them to.
+    """
+
+    @pytest.mark.parametrize("mode", MODES)
+    @pytest.mark.parametrize("case", cases, ids=str)
+    def test_float64_matches_plain_torch(case: Case, mode: str) -> None:
+        check_float64_reference(case, mode)
+
+    @pytest.mark.parametrize("case", cases, ids=str)
+    def test_delayed_is_bitwise_immediate(case: Case) -> None:
+        check_delayed_bitwise(case)
+
+    def test_delayed_is_bitwise_immediate_bf16() -> None:
+        check_delayed_bitwise(bf16_case, torch.bfloat16)
+
+    return (
+        test_float64_matches_plain_torch,
+        test_delayed_is_bitwise_immediate,
+        test_delayed_is_bitwise_immediate_bf16,
+    )
 
 
 def check_frozen(case: Case, frozen: list[str], *, mode: str = "delayed") -> None:

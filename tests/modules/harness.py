@@ -282,3 +282,21 @@ def norm_reference(
     if normalization == "LayerNorm":
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
+
+
+def module_norm_reference(opts: dict, params: dict, x: torch.Tensor) -> torch.Tensor:
+    """:func:`norm_reference` of a ``LayerNormLinear``/``LayerNormMLP`` built with ``opts`` (default ``eps``).
+
+    Args:
+        opts: the constructor keywords (``normalization``, ``zero_centered_gamma`` read, defaults TE's).
+        params: the module's parameters by name (``layer_norm_weight``, optional ``layer_norm_bias``).
+        x: ``(..., hidden)`` input.
+    """
+    return norm_reference(
+        x,
+        params["layer_norm_weight"],
+        params.get("layer_norm_bias"),
+        normalization=opts.get("normalization", "LayerNorm"),
+        eps=1e-5,
+        zcg=opts.get("zero_centered_gamma", False),
+    )

@@ -29,14 +29,7 @@ OPTIONS = {
 
 
 def _reference(opts: dict, p: dict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    ln = h.norm_reference(
-        x,
-        p["layer_norm_weight"],
-        p.get("layer_norm_bias"),
-        normalization=opts.get("normalization", "LayerNorm"),
-        eps=1e-5,
-        zcg=opts.get("zero_centered_gamma", False),
-    )
+    ln = h.module_norm_reference(opts, p, x)
     y = F.linear(ln, p["weight"], p.get("bias"))
     return (y, ln) if opts.get("return_layernorm_output") else (y,)
 

@@ -35,14 +35,7 @@ def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(opts: dict, p: dict, x: torch.Tensor) -> tuple[torch.Tensor]:
-    ln = h.norm_reference(
-        x,
-        p["layer_norm_weight"],
-        p.get("layer_norm_bias"),
-        normalization=opts.get("normalization", "LayerNorm"),
-        eps=1e-5,
-        zcg=opts.get("zero_centered_gamma", False),
-    )
+    ln = h.module_norm_reference(opts, p, x)
     hid = F.linear(ln, p["fc1_weight"], p.get("fc1_bias"))
     activation = opts.get("activation", "gelu")
     if activation == "gelu":

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
@@ -197,6 +198,41 @@ def check_missing_main_grad_is_an_error(case: Case) -> None:
         raise AssertionError("fused backward without main_grad did not raise")
 
 
+def check_contract(case: Case) -> None:
+    """The mode is fixed at forward, main_grad is written when fused, a missing main_grad is an error."""
+    check_mode_fixed_at_forward(case)
+    check_fused_main_grad(case)
+    check_missing_main_grad_is_an_error(case)
+
+
+def correctness_tests(cases: list[Case], *, bf16_case: Case) -> tuple[Callable[..., None], ...]:
+    """The correctness tests every module file runs on its cases, for the file to bind to ``test_*`` names.
+
+    Returns ``(test_float64_matches_plain_torch, test_delayed_is_bitwise_immediate,
+    test_delayed_is_bitwise_immediate_bf16)``: every case in every mode against plain autograd in float64,
+    every case deferred against immediate bitwise, and ``bf16_case`` the same in bfloat16. pytest collects
+    them under the names the file binds them to.
+    """
+
+    @pytest.mark.parametrize("mode", MODES)
+    @pytest.mark.parametrize("case", cases, ids=str)
+    def test_float64_matches_plain_torch(case: Case, mode: str) -> None:
+        check_float64_reference(case, mode)
+
+    @pytest.mark.parametrize("case", cases, ids=str)
+    def test_delayed_is_bitwise_immediate(case: Case) -> None:
+        check_delayed_bitwise(case)
+
+    def test_delayed_is_bitwise_immediate_bf16() -> None:
+        check_delayed_bitwise(bf16_case, torch.bfloat16)
+
+    return (
+        test_float64_matches_plain_torch,
+        test_delayed_is_bitwise_immediate,
+        test_delayed_is_bitwise_immediate_bf16,
+    )
+
+
 def check_frozen(case: Case, frozen: list[str], *, mode: str = "delayed") -> None:
     """Frozen parameters get no gradient; the rest match the reference; pending work stays one task at most."""
     module = build(case, mode, torch.float64)
@@ -246,3 +282,21 @@ def norm_reference(
     if normalization == "LayerNorm":
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gamma
+
+
+def module_norm_reference(opts: dict, params: dict, x: torch.Tensor) -> torch.Tensor:
+    """:func:`norm_reference` of a ``LayerNormLinear``/``LayerNormMLP`` built with ``opts`` (default ``eps``).
+
+    Args:
+        opts: the constructor keywords (``normalization``, ``zero_centered_gamma`` read, defaults TE's).
+        params: the module's parameters by name (``layer_norm_weight``, optional ``layer_norm_bias``).
+        x: ``(..., hidden)`` input.
+    """
+    return norm_reference(
+        x,
+        params["layer_norm_weight"],
+        params.get("layer_norm_bias"),
+        normalization=opts.get("normalization", "LayerNorm"),
+        eps=1e-5,
+        zcg=opts.get("zero_centered_gamma", False),
+    )

@@ -47,19 +47,11 @@ def make_case(name: str) -> h.Case:
 CASES = [make_case(n) for n in OPTIONS]
 
 
-@pytest.mark.parametrize("mode", h.MODES)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_float64_matches_plain_torch(case, mode):
-    h.check_float64_reference(case, mode)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_delayed_is_bitwise_immediate(case):
-    h.check_delayed_bitwise(case)
-
-
-def test_delayed_is_bitwise_immediate_bf16():
-    h.check_delayed_bitwise(CASES[0], torch.bfloat16)
+(
+    test_float64_matches_plain_torch,
+    test_delayed_is_bitwise_immediate,
+    test_delayed_is_bitwise_immediate_bf16,
+) = h.correctness_tests(CASES, bf16_case=CASES[0])
 
 
 def test_forward_is_bitwise_a_loop_of_nn_linear():
@@ -71,9 +63,7 @@ def test_forward_is_bitwise_a_loop_of_nn_linear():
 
 @pytest.mark.parametrize("case", CASES[:2], ids=str)
 def test_contract(case):
-    h.check_mode_fixed_at_forward(case)
-    h.check_fused_main_grad(case)
-    h.check_missing_main_grad_is_an_error(case)
+    h.check_contract(case)
 
 
 @pytest.mark.parametrize("mode", ["delayed", "fused_delayed", "immediate"])

@@ -29,14 +29,7 @@ OPTIONS = {
 
 
 def _reference(opts: dict, p: dict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    ln = h.norm_reference(
-        x,
-        p["layer_norm_weight"],
-        p.get("layer_norm_bias"),
-        normalization=opts.get("normalization", "LayerNorm"),
-        eps=1e-5,
-        zcg=opts.get("zero_centered_gamma", False),
-    )
+    ln = h.module_norm_reference(opts, p, x)
     y = F.linear(ln, p["weight"], p.get("bias"))
     return (y, ln) if opts.get("return_layernorm_output") else (y,)
 
@@ -61,26 +54,16 @@ def make_case(name: str) -> h.Case:
 CASES = [make_case(n) for n in OPTIONS]
 
 
-@pytest.mark.parametrize("mode", h.MODES)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_float64_matches_plain_torch(case, mode):
-    h.check_float64_reference(case, mode)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_delayed_is_bitwise_immediate(case):
-    h.check_delayed_bitwise(case)
-
-
-def test_delayed_is_bitwise_immediate_bf16():
-    h.check_delayed_bitwise(CASES[1], torch.bfloat16)
+(
+    test_float64_matches_plain_torch,
+    test_delayed_is_bitwise_immediate,
+    test_delayed_is_bitwise_immediate_bf16,
+) = h.correctness_tests(CASES, bf16_case=CASES[1])
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=str)
 def test_contract(case):
-    h.check_mode_fixed_at_forward(case)
-    h.check_fused_main_grad(case)
-    h.check_missing_main_grad_is_an_error(case)
+    h.check_contract(case)
 
 
 @pytest.mark.parametrize("mode", ["delayed", "fused_delayed", "immediate"])

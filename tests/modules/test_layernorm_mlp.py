@@ -35,14 +35,7 @@ def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(opts: dict, p: dict, x: torch.Tensor) -> tuple[torch.Tensor]:
-    ln = h.norm_reference(
-        x,
-        p["layer_norm_weight"],
-        p.get("layer_norm_bias"),
-        normalization=opts.get("normalization", "LayerNorm"),
-        eps=1e-5,
-        zcg=opts.get("zero_centered_gamma", False),
-    )
+    ln = h.module_norm_reference(opts, p, x)
     hid = F.linear(ln, p["fc1_weight"], p.get("fc1_bias"))
     activation = opts.get("activation", "gelu")
     if activation == "gelu":
@@ -70,26 +63,16 @@ def make_case(name: str) -> h.Case:
 CASES = [make_case(n) for n in OPTIONS]
 
 
-@pytest.mark.parametrize("mode", h.MODES)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_float64_matches_plain_torch(case, mode):
-    h.check_float64_reference(case, mode)
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_delayed_is_bitwise_immediate(case):
-    h.check_delayed_bitwise(case)
-
-
-def test_delayed_is_bitwise_immediate_bf16():
-    h.check_delayed_bitwise(CASES[2], torch.bfloat16)
+(
+    test_float64_matches_plain_torch,
+    test_delayed_is_bitwise_immediate,
+    test_delayed_is_bitwise_immediate_bf16,
+) = h.correctness_tests(CASES, bf16_case=CASES[2])
 
 
 @pytest.mark.parametrize("case", CASES[::2], ids=str)
 def test_contract(case):
-    h.check_mode_fixed_at_forward(case)
-    h.check_fused_main_grad(case)
-    h.check_missing_main_grad_is_an_error(case)
+    h.check_contract(case)
 
 
 FROZEN = {

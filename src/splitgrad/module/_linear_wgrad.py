@@ -1,4 +1,4 @@
-"""The weight-gradient half of the single-linear modules' backward (``Linear``, ``LayerNormLinear``)."""
+"""The weight-gradient routing glue of the modules' Functions (forward's decision, the single linear's backward)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,33 @@ import torch
 from ..core import SplitModule
 from ..functional.wgrad import bias_wgrad, linear_wgrad, write_linear_wgrad
 
-__all__ = ["hand_over_linear_wgrad"]
+__all__ = ["hand_over_linear_wgrad", "linear_wgrad_parameters", "route_wgrad_at_forward"]
+
+
+def route_wgrad_at_forward(ctx: Any, owner: SplitModule, params: tuple[Any, ...], *, has_bias: bool) -> None:
+    """Record on ``ctx`` what the backward routes: ``owner``, ``has_bias``, ``split`` and ``params``.
+
+    Whether the module handles the wgrad itself is fixed at forward (a switch flipped before backward cannot
+    make autograd drop it); whether it is parked or run then is decided by the store at backward.
+
+    Args:
+        ctx: the Function's context.
+        owner: the module whose ``hand_over_wgrad`` the backward calls.
+        params: the module's parameters (None where absent) in the order the backward hands gradients over.
+        has_bias: the forward got biases.
+    """
+    ctx.owner = owner
+    ctx.has_bias = has_bias
+    ctx.split = owner.splits_wgrad()
+    ctx.params = params
+
+
+def linear_wgrad_parameters(owner: SplitModule) -> list[torch.nn.Parameter]:
+    """``[weight, bias]`` of a single-linear module, without a bias it does not route.
+
+    With ``return_bias`` the bias gradient flows through autograd (the caller adds the bias).
+    """
+    return [owner.weight] if owner.bias is None or owner.return_bias else [owner.weight, owner.bias]
 
 
 def hand_over_linear_wgrad(

@@ -8,10 +8,12 @@ autograd, in every mode).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["norm_autograd"]
+__all__ = ["module_norm_autograd", "norm_autograd"]
 
 
 def norm_autograd(
@@ -28,3 +30,11 @@ def norm_autograd(
     if normalization == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def module_norm_autograd(owner: Any, x: torch.Tensor) -> torch.Tensor:
+    """:func:`norm_autograd` with ``owner``'s norm parameters and settings (``LayerNormLinear``/``LayerNormMLP``)."""
+    return norm_autograd(
+        x, owner.layer_norm_weight, owner.layer_norm_bias, normalization=owner.normalization,
+        eps=owner.eps, zero_centered_gamma=owner.zero_centered_gamma,
+    )  # fmt: skip

@@ -11,6 +11,8 @@ from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.split_sizes import check_split_sizes
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._layer_setup import check_positive_sizes, register_optional_parameter
+from ._linear_wgrad import route_wgrad_at_forward
 
 __all__ = ["GroupedLinear"]
 
@@ -27,10 +29,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, m_splits: list[int], owner: GroupedLinear, *params):  # type: ignore[override]
         n = owner.num_gemms
         weights, biases = params[:n], (params[n:] if len(params) > n else (None,) * n)
-        ctx.owner, ctx.m_splits, ctx.n = owner, m_splits, n
-        ctx.has_bias = len(params) > n
-        ctx.split = owner.splits_wgrad()
-        ctx.params = (*owner.weights, *(owner.biases if ctx.has_bias else ()))
+        ctx.m_splits, ctx.n = m_splits, n
+        has_bias = len(params) > n
+        route_wgrad_at_forward(
+            ctx, owner, (*owner.weights, *(owner.biases if has_bias else ())), has_bias=has_bias
+        )
         ctx.save_for_backward(x, *weights)
         y = x.new_empty(x.shape[0], owner.out_features)
         for xi, yi, w, b in zip(torch.split(x, m_splits), torch.split(y, m_splits), weights, biases):
@@ -112,10 +115,9 @@ class GroupedLinear(SplitModule):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"GroupedLinear needs positive sizes, got {num_gemms=} {in_features=} {out_features=}"
-            )
+        check_positive_sizes(
+            "GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features
+        )
         self.num_gemms = num_gemms
         self.in_features = in_features
         self.out_features = out_features
@@ -125,8 +127,7 @@ class GroupedLinear(SplitModule):
             self.register_parameter(
                 f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory))
             )
-            b = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-            self.register_parameter(f"bias{i}", b)
+            register_optional_parameter(self, f"bias{i}", bias, (out_features,), factory)
         self.reset_parameters()
         self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation

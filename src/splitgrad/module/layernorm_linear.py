@@ -10,13 +10,21 @@ from torch import nn
 
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
-from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.norm import check_normalization, init_norm_
 from ..functional.tp_config import shard_size, tensor_parallel_config
 from ..functional.tp_sequence import gather_sequence
-from ._linear_wgrad import hand_over_linear_wgrad
+from ._fused_norm import fused_norm_backward, fused_norm_forward
+from ._layer_setup import (
+    check_positive_sizes,
+    init_norm_settings,
+    init_te_settings,
+    register_norm_parameters,
+    register_optional_parameter,
+)
+from ._linear_wgrad import hand_over_linear_wgrad, linear_wgrad_parameters, route_wgrad_at_forward
 from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
-from ._tp_linear import SP_WGRAD_INPUTS, _TPLinearFunction
-from ._tp_norm import norm_autograd
+from ._tp_linear import _TPLinearFunction
+from ._tp_norm import module_norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
 __all__ = ["LayerNormLinear"]
@@ -32,19 +40,12 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, owner: LayerNormLinear):  # type: ignore[override]
-        ctx.owner = owner
-        ctx.has_bias = bias is not None
-        ctx.split = owner.splits_wgrad()
-        ctx.params = (owner.weight, owner.bias)
-        ctx.normalization = owner.normalization
+        route_wgrad_at_forward(ctx, owner, (owner.weight, owner.bias), has_bias=bias is not None)
         ctx.return_ln = owner.return_layernorm_output
         ctx.set_materialize_grads(False)
-        x2 = x.reshape(-1, x.shape[-1])
-        gamma = effective_gamma(ln_weight, owner.zero_centered_gamma)
-        ln_out, stats = norm_forward(x2, gamma, ln_bias, normalization=owner.normalization, eps=owner.eps)
+        x2, gamma, ln_out, stats = fused_norm_forward(ctx, owner, x, ln_weight, ln_bias)
         ctx.n_stats = len(stats)
         ctx.save_for_backward(x2, ln_out, gamma, ln_bias, weight, *stats)
-        ctx.x_shape = x.shape
         y = F.linear(ln_out, weight, bias).view(*x.shape[:-1], weight.shape[0])
         if ctx.return_ln:
             return y, ln_out.view(x.shape)
@@ -67,12 +68,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             dln = dy2.mm(weight)
             if dln_extra is not None:
                 dln = dln + dln_extra.reshape(dln.shape)
-            dx, dg, dbeta = norm_backward(
-                dln, x2, tuple(stats), gamma, ln_bias,
-                normalization=ctx.normalization, output_mask=(want_x, want_g, want_beta),
-            )  # fmt: skip
-            if dx is not None:
-                dx = dx.view(ctx.x_shape)
+            dx, dg, dbeta = fused_norm_backward(
+                ctx, dln, x2, stats, gamma, ln_bias, (want_x, want_g, want_beta)
+            )
 
         dw, db = hand_over_linear_wgrad(owner, ctx, dy2, ln_out, ctx.needs_input_grad[3:5])
         return dx, dg, dbeta, dw, db, None
@@ -148,50 +146,35 @@ class LayerNormLinear(SplitModule):
         ub_name: str | None = None,
     ) -> None:
         super().__init__()
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"LayerNormLinear needs positive sizes, got {in_features=} {out_features=}")
-        refuse_unsupported_te_keywords(
-            "LayerNormLinear", f"LayerNormLinear({in_features}, {out_features})", locals()
-        )
-        self.name = name
-        self._rng_tracker = get_rng_state_tracker
+        check_positive_sizes("LayerNormLinear", in_features=in_features, out_features=out_features)
+        owner = f"LayerNormLinear({in_features}, {out_features})"
+        refuse_unsupported_te_keywords("LayerNormLinear", owner, locals())
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         check_normalization("LayerNormLinear", normalization)
-        if eps < 0:
-            raise ValueError(f"LayerNormLinear: eps must be >= 0, got {eps=}")
+        init_norm_settings(
+            self,
+            "LayerNormLinear",
+            normalization=normalization,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+        )
         self.in_features = in_features
         self.out_features = out_features
-        self.eps = float(eps)
-        self.normalization = normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)
-        if sp_wgrad_input not in SP_WGRAD_INPUTS:
-            raise ValueError(
-                f"LayerNormLinear: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
-            )
-        owner = f"LayerNormLinear({in_features}, {out_features})"
+        init_te_settings(
+            self, "LayerNormLinear", name=name, return_bias=return_bias, sp_wgrad_input=sp_wgrad_input,
+            init_method=init_method, rng=(get_rng_state_tracker, None),
+        )  # fmt: skip
         self.tp = tensor_parallel_config(
             tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, owner=owner, allowed_modes=(None, "column"),
         )  # fmt: skip
-        self.return_bias = bool(return_bias)
-        self.sp_wgrad_input = sp_wgrad_input
-        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
-        self.tp_comm_overlap = True
-        self._init_method = init_method
         if self.tp.splits:
             out_features = shard_size(out_features, self.tp, owner=owner, name="out_features")
         factory = {"dtype": params_dtype, "device": device}
-        self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **factory))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = nn.Parameter(torch.empty(in_features, **factory))
-        else:
-            self.register_parameter("layer_norm_bias", None)
+        register_norm_parameters(self, in_features, factory)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory))
-        else:
-            self.register_parameter("bias", None)
+        register_optional_parameter(self, "bias", bias, (out_features,), factory)
         self.reset_parameters()
         mark_tp_params(self.tp, self.weight, self.bias)
         mark_sequence_parallel(self.tp, self.layer_norm_weight, self.layer_norm_bias)
@@ -202,7 +185,7 @@ class LayerNormLinear(SplitModule):
     def reset_parameters(self) -> None:
         """Norm: gamma ones (zeros when zero-centered), beta zeros; linear: ``torch.nn.Linear``'s init."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
-        with rng_tracker_fork(self._rng_tracker):
+        with rng_tracker_fork(*self._rng):
             if self._init_method is None:
                 linear_init_(self.weight, self.bias)
             else:
@@ -218,10 +201,7 @@ class LayerNormLinear(SplitModule):
         self._check_last_dim(x, self.in_features, "in_features")
         bias = None if self.return_bias else self.bias
         if self.tp.splits:
-            ln_out = norm_autograd(
-                x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
-                eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
-            )  # fmt: skip
+            ln_out = module_norm_autograd(self, x)
             y = self.apply_function(_TPLinearFunction, ln_out, self.weight, bias, self)
             if self.return_layernorm_output and self.return_layernorm_output_gathered:
                 # TE hands out the gathered copy its GEMM used; here it is gathered once more (a second
@@ -243,8 +223,7 @@ class LayerNormLinear(SplitModule):
         return (*out, self.bias) if isinstance(out, tuple) else (out, self.bias)
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        # With return_bias the bias gradient flows through autograd (the caller adds the bias).
-        return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
+        return linear_wgrad_parameters(self)
 
     def extra_repr(self) -> str:
         text = f"name={self.name!r}, " if self.name is not None else ""

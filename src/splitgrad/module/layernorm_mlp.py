@@ -11,13 +11,21 @@ from torch import nn
 from ..core import SplitModule, split_backward
 from ..functional.activations import activation_backward, activation_forward, check_activation, is_gated
 from ..functional.init import linear_init_
-from ..functional.norm import check_normalization, effective_gamma, init_norm_, norm_backward, norm_forward
+from ..functional.norm import check_normalization, init_norm_
 from ..functional.tp_config import shard_size, tensor_parallel_config
 from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
+from ._fused_norm import fused_norm_backward, fused_norm_forward
+from ._layer_setup import (
+    check_positive_sizes,
+    init_norm_settings,
+    init_te_settings,
+    register_norm_parameters,
+    register_optional_parameter,
+)
+from ._linear_wgrad import route_wgrad_at_forward
 from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
-from ._tp_linear import SP_WGRAD_INPUTS
 from ._tp_mlp import _TPMLPFunction
-from ._tp_norm import norm_autograd
+from ._tp_norm import module_norm_autograd
 from ._tp_params import init_tp_linear_, mark_sequence_parallel, mark_tp_params
 
 __all__ = ["LayerNormMLP"]
@@ -33,20 +41,14 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, fc1_w, fc1_b, fc2_w, fc2_b, owner: LayerNormMLP):  # type: ignore[override]
-        ctx.owner = owner
-        ctx.has_bias = fc1_b is not None
-        ctx.split = owner.splits_wgrad()
-        ctx.params = (owner.fc1_weight, owner.fc1_bias, owner.fc2_weight, owner.fc2_bias)
-        ctx.normalization = owner.normalization
+        params = (owner.fc1_weight, owner.fc1_bias, owner.fc2_weight, owner.fc2_bias)
+        route_wgrad_at_forward(ctx, owner, params, has_bias=fc1_b is not None)
         ctx.activation = owner.activation
-        x2 = x.reshape(-1, x.shape[-1])
-        gamma = effective_gamma(ln_w, owner.zero_centered_gamma)
-        ln_out, stats = norm_forward(x2, gamma, ln_b, normalization=owner.normalization, eps=owner.eps)
+        x2, gamma, ln_out, stats = fused_norm_forward(ctx, owner, x, ln_w, ln_b)
         h = F.linear(ln_out, fc1_w, fc1_b)
         act_out, extra = activation_forward(h, owner.activation)
         y = F.linear(act_out, fc2_w, fc2_b)
         ctx.save_for_backward(x2, ln_out, gamma, ln_b, fc1_w, fc2_w, h, act_out, extra, *stats)
-        ctx.x_shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
@@ -66,12 +68,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             dh = activation_backward(dy2.mm(fc2_w), h, act_out, extra, ctx.activation)
         dx = dg = dbeta = None
         if any(want_norm):
-            dx, dg, dbeta = norm_backward(
-                dh.mm(fc1_w), x2, tuple(stats), gamma, ln_b,
-                normalization=ctx.normalization, output_mask=want_norm,
-            )  # fmt: skip
-            if dx is not None:
-                dx = dx.view(ctx.x_shape)
+            dx, dg, dbeta = fused_norm_backward(ctx, dh.mm(fc1_w), x2, stats, gamma, ln_b, want_norm)
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
             return [
@@ -175,27 +172,26 @@ class LayerNormMLP(SplitModule):
         ub_bulk_wgrad: bool = False,
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or ffn_hidden_size <= 0:
-            raise ValueError(f"LayerNormMLP needs positive sizes, got {hidden_size=} {ffn_hidden_size=}")
+        check_positive_sizes("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         owner = f"LayerNormMLP({hidden_size}, {ffn_hidden_size})"
         refuse_unsupported_te_keywords("LayerNormMLP", owner, locals())
-        self.name = name
-        self._rng_tracker = get_rng_state_tracker
         self._output_layer_init_method = output_layer_init_method
         check_normalization("LayerNormMLP", normalization)
         check_activation("LayerNormMLP", activation)
-        if eps < 0:
-            raise ValueError(f"LayerNormMLP: eps must be >= 0, got {eps=}")
+        init_norm_settings(
+            self,
+            "LayerNormMLP",
+            normalization=normalization,
+            eps=eps,
+            zero_centered_gamma=zero_centered_gamma,
+        )
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
-        self.eps = float(eps)
-        self.normalization = normalization
         self.activation = activation
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        if sp_wgrad_input not in SP_WGRAD_INPUTS:
-            raise ValueError(
-                f"LayerNormMLP: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
-            )
+        init_te_settings(
+            self, "LayerNormMLP", name=name, return_bias=return_bias, sp_wgrad_input=sp_wgrad_input,
+            init_method=init_method, rng=(get_rng_state_tracker, None),
+        )  # fmt: skip
         # fc1 column / fc2 row is implied; the config records "column" for the module's input side.
         self.tp = tensor_parallel_config(
             tp_group=tp_group, tp_size=tp_size, parallel_mode="column" if tp_group is not None else None,
@@ -206,27 +202,14 @@ class LayerNormMLP(SplitModule):
                 f"{owner}: set_parallel_mode=False with a {self.tp.size}-rank tp_group (TE's sharded weights "
                 "without communication) is not supported; pass set_parallel_mode=True or leave it None"
             )
-        self.return_bias = bool(return_bias)
-        self.sp_wgrad_input = sp_wgrad_input
-        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
-        self.tp_comm_overlap = True
-        self._init_method = init_method
         ffn_local = shard_size(ffn_hidden_size, self.tp, owner=owner, name="ffn_hidden_size")
         factory = {"dtype": params_dtype, "device": device}
         fc1_out = 2 * ffn_local if is_gated(activation) else ffn_local
-        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **factory))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **factory))
-        else:
-            self.register_parameter("layer_norm_bias", None)
+        register_norm_parameters(self, hidden_size, factory)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_local, **factory))
-        if bias:
-            self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **factory))
-            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **factory))
-        else:
-            self.register_parameter("fc1_bias", None)
-            self.register_parameter("fc2_bias", None)
+        register_optional_parameter(self, "fc1_bias", bias, (fc1_out,), factory)
+        register_optional_parameter(self, "fc2_bias", bias, (hidden_size,), factory)
         self.reset_parameters()
         mark_tp_params(self.tp, self.fc1_weight, self.fc1_bias, "column")
         mark_tp_params(self.tp, self.fc2_weight, self.fc2_bias, "row")
@@ -239,7 +222,7 @@ class LayerNormMLP(SplitModule):
         """Identity norm; each fc initialised like a ``torch.nn.Linear`` of the same shape."""
         init_norm_(self.layer_norm_weight, self.layer_norm_bias, self.zero_centered_gamma)
         fc2_init = self._output_layer_init_method
-        with rng_tracker_fork(self._rng_tracker):
+        with rng_tracker_fork(*self._rng):
             if self._init_method is None and fc2_init is None and not self.tp.splits:
                 linear_init_(self.fc1_weight, self.fc1_bias)
                 linear_init_(self.fc2_weight, self.fc2_bias)
@@ -256,10 +239,7 @@ class LayerNormMLP(SplitModule):
         self._check_last_dim(x, self.hidden_size, "hidden_size")
         fc2_bias = None if self.return_bias else self.fc2_bias
         if self.tp.splits:
-            ln_out = norm_autograd(
-                x, self.layer_norm_weight, self.layer_norm_bias, normalization=self.normalization,
-                eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
-            )  # fmt: skip
+            ln_out = module_norm_autograd(self, x)
             y = self.apply_function(
                 _TPMLPFunction, ln_out, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias, self
             )

@@ -11,9 +11,10 @@ from torch import nn
 from ..core import SplitModule, split_backward
 from ..functional.init import linear_init_
 from ..functional.tp_config import TensorParallelConfig, shard_size, tensor_parallel_config
-from ._linear_wgrad import hand_over_linear_wgrad
+from ._layer_setup import check_positive_sizes, init_te_settings
+from ._linear_wgrad import hand_over_linear_wgrad, linear_wgrad_parameters, route_wgrad_at_forward
 from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
-from ._tp_linear import SP_WGRAD_INPUTS, _TPLinearFunction
+from ._tp_linear import _TPLinearFunction
 from ._tp_params import init_tp_linear_, mark_tp_params
 
 __all__ = ["Linear"]
@@ -27,12 +28,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner: Linear):  # type: ignore[override]
-        ctx.owner = owner
-        ctx.has_bias = bias is not None
-        # Whether the module handles the wgrad itself is fixed at forward (a switch flipped before backward
-        # cannot make autograd drop it); whether it is parked or run then is decided by the store at backward.
-        ctx.split = owner.splits_wgrad()
-        ctx.params = (owner.weight, owner.bias)
+        route_wgrad_at_forward(ctx, owner, (owner.weight, owner.bias), has_bias=bias is not None)
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
@@ -123,26 +119,18 @@ class Linear(SplitModule):
         ub_name: str | None = None,
     ) -> None:
         super().__init__()
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"Linear needs positive sizes, got {in_features=} {out_features=}")
+        check_positive_sizes("Linear", in_features=in_features, out_features=out_features)
         refuse_unsupported_te_keywords("Linear", f"Linear({in_features}, {out_features})", locals())
-        self.name = name
-        self._rng = (get_rng_state_tracker, rng_tracker_name)
-        if sp_wgrad_input not in SP_WGRAD_INPUTS:
-            raise ValueError(
-                f"Linear: sp_wgrad_input must be one of {SP_WGRAD_INPUTS}, got {sp_wgrad_input=}"
-            )
+        init_te_settings(
+            self, "Linear", name=name, return_bias=return_bias, sp_wgrad_input=sp_wgrad_input,
+            init_method=init_method, rng=(get_rng_state_tracker, rng_tracker_name),
+        )  # fmt: skip
         self.in_features = in_features
         self.out_features = out_features
         self.tp = tensor_parallel_config(
             tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode,
             sequence_parallel=sequence_parallel, owner=f"Linear({in_features}, {out_features})",
         )  # fmt: skip
-        self.return_bias = bool(return_bias)
-        self.sp_wgrad_input = sp_wgrad_input
-        #: Overlap the backward collectives with the GEMMs (False only to measure what the overlap hides).
-        self.tp_comm_overlap = True
-        self._init_method = init_method
         out_local, in_local = _local_shape(self.tp, in_features, out_features)
         factory = {"dtype": params_dtype, "device": device}
         self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
@@ -186,8 +174,7 @@ class Linear(SplitModule):
         return (y, self.bias) if self.return_bias else y
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        # With return_bias the bias gradient flows through autograd (the caller adds the bias).
-        return [self.weight] if self.bias is None or self.return_bias else [self.weight, self.bias]
+        return linear_wgrad_parameters(self)
 
     def extra_repr(self) -> str:
         text = f"name={self.name!r}, " if self.name is not None else ""

@@ -10,6 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..core import WeightGradStore
 from ..functional.init import linear_init_
+from .basic._split_op import split_repr
 from .basic.basic_linear import BasicLinear
 from .basic.bias import Bias
 from .fused import default_fusions
@@ -136,6 +137,5 @@ class Linear(FusibleOperation):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"delay_wgrad_compute={self.need_backward_dw()}, "
-            f"accumulate_into_main_grad={self.accumulate_into_main_grad}"
+            f"{split_repr(self)}"
         )

@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core import SplitModule
 from ...functional.init import linear_init_
 from ...functional.wgrad import linear_wgrad, write_linear_wgrad
-from ..op import BasicOperation, OperationContext, ParamGrads
+from ..op import OperationContext, ParamGrads
+from ._split_op import SplitOperation, split_repr
 
 __all__ = ["BasicLinear"]
 
 
-class BasicLinear(BasicOperation, SplitModule):
+class BasicLinear(SplitOperation):
     """Matrix multiply by ``weight: (out_features, in_features)``, with TE's split-backward contract.
 
     Modes (decided at forward, as for :class:`splitgrad.Linear`):
@@ -56,15 +56,9 @@ class BasicLinear(BasicOperation, SplitModule):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.reset_parameters()
-        self.init_split(
-            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=accumulate_into_main_grad
+        self.finish_init(
+            delay_wgrad_compute=delay_wgrad_compute, accumulate_into_main_grad=accumulate_into_main_grad
         )
-
-    @property
-    def accumulate_into_main_grad(self) -> bool:
-        """TE ops' name of ``fuse_wgrad_accumulation``."""
-        return self.fuse_wgrad_accumulation
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s weight initialisation."""
@@ -110,8 +104,4 @@ class BasicLinear(BasicOperation, SplitModule):
         return dx, grads
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"delay_wgrad_compute={self.need_backward_dw()}, "
-            f"accumulate_into_main_grad={self.fuse_wgrad_accumulation}"
-        )
+        return f"in_features={self.in_features}, out_features={self.out_features}, {split_repr(self)}"

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ...core import SplitModule
 from ...functional.init import linear_init_
 from ...functional.split_sizes import check_split_sizes
 from ...functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
+from ._split_op import SplitOperation, split_repr
 
 __all__ = ["GroupedLinear", "as_split_sizes"]
 
@@ -29,7 +29,7 @@ def as_split_sizes(
     return check_split_sizes(op._describe(), "split_sizes", split_sizes, num_groups, tokens)
 
 
-class GroupedLinear(BasicOperation, SplitModule):
+class GroupedLinear(SplitOperation):
     """``y_g = x_g @ weight{g}.T + bias{g}`` for consecutive row blocks ``x_g`` of ``x`` (sizes per call).
 
     Called as ``op(x, split_sizes)``; inside :class:`~splitgrad.ops.Sequential` the split sizes are an extra
@@ -82,14 +82,9 @@ class GroupedLinear(BasicOperation, SplitModule):
         if bias:
             for g in range(num_groups):
                 self.register_parameter(f"bias{g}", nn.Parameter(torch.empty(out_features, **factory)))
-        self.reset_parameters()
-        self.init_split(
-            delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=accumulate_into_main_grad
+        self.finish_init(
+            delay_wgrad_compute=delay_wgrad_compute, accumulate_into_main_grad=accumulate_into_main_grad
         )
-
-    @property
-    def accumulate_into_main_grad(self) -> bool:
-        return self.fuse_wgrad_accumulation
 
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
@@ -181,6 +176,5 @@ class GroupedLinear(BasicOperation, SplitModule):
     def extra_repr(self) -> str:
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}, delay_wgrad_compute={self.need_backward_dw()}, "
-            f"accumulate_into_main_grad={self.fuse_wgrad_accumulation}"
+            f"bias={self.use_bias}, {split_repr(self)}"
         )

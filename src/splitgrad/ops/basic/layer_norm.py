@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ..op import BasicOperation, OperationContext, ParamGrads
+from ..op import OperationContext, ParamGrads
+from ._norm_common import NormOperation, check_normalized_input, normalized_shape_tuple
 
+# normalized_shape_tuple: re-exported from where it used to live.
 __all__ = ["LayerNorm", "normalized_shape_tuple"]
 
 
-def normalized_shape_tuple(
-    owner: str, normalized_shape: int | tuple[int, ...] | list[int]
-) -> tuple[int, ...]:
-    """``normalized_shape`` as a tuple of positive ints, or ``ValueError`` naming ``owner``."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or any(not isinstance(n, int) or n <= 0 for n in shape):
-        raise ValueError(f"{owner} needs positive normalized_shape, got {normalized_shape=}")
-    return shape
-
-
-def check_normalized_input(op: BasicOperation, x: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """Raise ``ValueError`` naming ``op`` unless ``x`` ends with ``shape``."""
-    if x.dim() < len(shape) or tuple(x.shape[-len(shape) :]) != shape:
-        raise ValueError(
-            f"{op._describe()}: input's trailing dimensions must be normalized_shape={shape}, got input shape "
-            f"{tuple(x.shape)}"
-        )
-
-
-class LayerNorm(BasicOperation):
+class LayerNorm(NormOperation):
     """``(x - mean) * rstd * weight + bias`` over the trailing ``normalized_shape`` dimensions.
 
     The forward and backward call ATen's ``native_layer_norm`` / ``native_layer_norm_backward`` (what
@@ -45,21 +27,8 @@ class LayerNorm(BasicOperation):
     Shapes: ``x: (..., *normalized_shape)`` -> same.
     """
 
-    def __init__(
-        self,
-        normalized_shape: int | tuple[int, ...] | list[int],
-        eps: float = 1e-5,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = normalized_shape_tuple("ops.LayerNorm", normalized_shape)
-        if eps < 0:
-            raise ValueError(f"ops.LayerNorm needs eps >= 0, got {eps=}")
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, dtype=dtype, device=device))
+    _label = "ops.LayerNorm"
+    _has_bias = True
 
     def op_forward(self, ctx: OperationContext, x: torch.Tensor) -> torch.Tensor:
         check_normalized_input(self, x, self.normalized_shape)
@@ -77,6 +46,3 @@ class LayerNorm(BasicOperation):
             dy, x, self.normalized_shape, mean, rstd, weight, bias, mask
         )
         return (dx if mask[0] else None), [dw if mask[1] else None, db if mask[2] else None]
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"

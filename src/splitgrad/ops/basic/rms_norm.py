@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ...functional.norm import norm_backward, norm_forward
-from ..op import BasicOperation, OperationContext, ParamGrads
-from .layer_norm import check_normalized_input, normalized_shape_tuple
+from ..op import OperationContext, ParamGrads
+from ._norm_common import NormOperation, check_normalized_input
 
 __all__ = ["RMSNorm"]
 
 
-class RMSNorm(BasicOperation):
+class RMSNorm(NormOperation):
     """Root-mean-square normalisation over the trailing ``normalized_shape`` dimensions, scaled by ``weight``.
 
-    Runs :mod:`splitgrad.module._norm`'s RMSNorm (the one ``LayerNormLinear``/``LayerNormMLP`` use) over the
+    Runs :mod:`splitgrad.functional.norm`'s RMSNorm (the one ``LayerNormLinear``/``LayerNormMLP`` use) over the
     flattened trailing dimensions: ATen's ``_fused_rms_norm`` forward where torch has it, and a written-out
     backward in the statistics' dtype (fp32 for half inputs). Its gradient is never deferred.
 
@@ -28,20 +27,7 @@ class RMSNorm(BasicOperation):
     Shapes: ``x: (..., *normalized_shape)`` -> same.
     """
 
-    def __init__(
-        self,
-        normalized_shape: int | tuple[int, ...] | list[int],
-        eps: float = 1e-5,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = normalized_shape_tuple("ops.RMSNorm", normalized_shape)
-        if eps < 0:
-            raise ValueError(f"ops.RMSNorm needs eps >= 0, got {eps=}")
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, dtype=dtype, device=device))
+    _label = "ops.RMSNorm"
 
     def op_forward(self, ctx: OperationContext, x: torch.Tensor) -> torch.Tensor:
         check_normalized_input(self, x, self.normalized_shape)
@@ -59,6 +45,3 @@ class RMSNorm(BasicOperation):
             normalization="RMSNorm", output_mask=(ctx.input_requires_grad, ctx.weight_requires_grad, False),
         )  # fmt: skip
         return (None if dx is None else dx.view(dy.shape)), [None if dw is None else dw.view(weight.shape)]
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"

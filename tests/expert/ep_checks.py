@@ -306,6 +306,8 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
                 loss0.backward()
                 logits1 = model(local[0][1])
             pair_log = watch.comm[before_pair:]
+            if overlapped:  # every driver: the forward started once the backward's first exchange was issued
+                check_backward_leads(pair_log)
             if variant == "steps":
                 check_interleaved(pair_log)
                 check_same_issue_order(pair_log, ep_group)
@@ -316,6 +318,13 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
                     pass
                 else:
                     raise AssertionError("the sequential pair's exchange log passed as interleaved")
+                # ... and a forward-first log is refused by the lead check.
+                try:
+                    check_backward_leads([("dispatch counts", 0.0, 1.0), ("combine backward", 2.0, 3.0)])
+                except AssertionError:
+                    pass
+                else:
+                    raise AssertionError("a forward-first exchange log passed as backward-led")
             loss1 = lm_loss(logits1, local[1][1])
             loss1.backward()
             if delay == "delayed":
@@ -345,6 +354,15 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
         raise AssertionError("overlap with a shared group was accepted")
     out.append(step_driver_errors(shared, local[0]))
     return out
+
+
+def check_backward_leads(log: list) -> None:
+    """The pair's exchange log ``(name, issued, waited)``: the backward issued its first exchange before the
+    forward issued any (Megatron-Core's combined-1F1B order; the token-count exchange is the forward's first)."""
+    forward = [s for n, s, _ in log if not n.endswith(" backward")]
+    backward = [s for n, s, _ in log if n.endswith(" backward")]
+    if not forward or not backward or not min(backward) < min(forward):
+        raise AssertionError(f"the forward issued an exchange before the backward's first one: {log}")
 
 
 def check_interleaved(log: list) -> None:

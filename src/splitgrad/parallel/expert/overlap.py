@@ -7,8 +7,9 @@ Two drivers:
   microbatch ``i`` on a second thread. Whenever one of them waits for a dispatch/combine exchange (gloo and NCCL
   waits release the GIL), the other computes, without splitting the autograd graph by hand. The two parts
   exchange over different process groups (the layers' ``ep_group`` forward, ``backward_group`` backward, same
-  ranks), so every rank issues each group's collectives in the same order. Who computes when is up to the OS
-  (or, with ``exclusive_compute``, a baton handed over at every wait).
+  ranks), so every rank issues each group's collectives in the same order. The forward starts once the
+  backward's first exchange is in flight; from then on who computes when is up to the OS (or, with
+  ``exclusive_compute``, a baton handed over at every wait).
 * ``driver="steps"``: one thread, a fixed interleave at sub-layer granularity (``step_driver.py``): the forward
   runs as steps that each end by issuing an exchange, and every backward exchange advances the forward by one
   step while it is in flight. Every rank issues the same collectives in the same order, so the parts may share
@@ -36,7 +37,7 @@ from ...core.steps import Steps, child_steps
 from .baton import ComputeBaton
 from .layer import ExpertParallelMoEMLP
 from .probe import ThreadProbe
-from .step_driver import run_pair_in_steps
+from .step_driver import bind_backward_exchanges, run_pair_in_steps
 
 __all__ = ["DRIVERS", "OverlappedMoEStage", "overlapped_forward_backward", "set_wgrad_in_dispatch"]
 
@@ -161,12 +162,19 @@ def _run_threads(
     baton: ComputeBaton | None,
     finished: dict[str, bool],
 ) -> Any:
-    """The ``"threads"`` driver: ``module(x)``; ``finished["backward"]`` says whether the backward thread ended."""
+    """The ``"threads"`` driver: ``module(x)``; ``finished["backward"]`` says whether the backward thread ended.
+
+    The backward starts alone and the forward once the backward's first exchange is in flight (or the backward
+    ended without one): the steps driver's order (Megatron-Core's combined 1F1B) for the start, so the forward's
+    first dispatch is not left under the short loss and head backward only. After that the OS (or the baton)
+    decides who computes.
+    """
     errors: list[BaseException] = []
+    backward_exchanging = threading.Event()
 
     def backward() -> None:
         if baton is not None:
-            baton.acquire()  # the forward part holds it until its first wait
+            baton.acquire()  # the backward starts; the forward takes the baton at the backward's first wait
         probe = ThreadProbe(thread_stats, "backward")
         try:
             with torch.profiler.record_function("splitgrad.overlap.backward"):
@@ -174,24 +182,32 @@ def _run_threads(
         except BaseException as exc:  # re-raised on the calling thread
             errors.append(exc)
         finally:
+            backward_exchanging.set()
             probe.stop()
             if baton is not None:
                 baton.release()
 
+    # Every all-to-all node of the backward signals while its exchange is in flight (only the first one matters).
+    bound = bind_backward_exchanges(y, backward_exchanging.set)
     thread = threading.Thread(target=backward, name="splitgrad-overlap-backward", daemon=True)
-    if baton is not None:
-        baton.acquire()
     thread.start()
     probe = ThreadProbe(thread_stats, "forward")
     try:
+        # Bounded: past ``timeout`` the forward starts anyway and the join below reports the stuck backward.
+        backward_exchanging.wait(timeout)
+        if baton is not None:
+            baton.acquire()
         with torch.profiler.record_function("splitgrad.overlap.forward"):
             out = module(x)
     finally:
         probe.stop()
         if baton is not None:
-            baton.release()
+            baton.release()  # a no-op when the forward failed before taking it
         thread.join(timeout)
         finished["backward"] = not thread.is_alive()
+        if finished["backward"]:
+            for node in bound:
+                node.advance_pair = None
     if thread_stats is not None and baton is not None:
         thread_stats["handoffs"] = baton.handoffs
         thread_stats["baton_waits"] = list(baton.log or [])

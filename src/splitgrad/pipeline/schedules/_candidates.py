@@ -55,9 +55,9 @@ class CandidatePool:
         limits: Sequence[float],
         w_memory: float,
     ) -> None:
-        self._costs = (f, b, w, comm)
-        self._limits = tuple(limits)
-        self._w_memory = w_memory
+        self.costs = (f, b, w, comm)  # read by a GreedySearch to run its passes under the same problem
+        self.limits = tuple(limits)
+        self.w_memory = w_memory
         self.candidates: list[Candidate] = []
 
     def consider(self, label: str, schedule: Schedule | None) -> Candidate | None:
@@ -65,8 +65,8 @@ class CandidatePool:
         of ``M_B``) is within its limit; the kept candidate, else None."""
         if schedule is None:
             return None
-        result = simulate(schedule, *self._costs, w_memory=self._w_memory)
-        if any(peak > cap + _EPS for peak, cap in zip(result.peak_memory, self._limits)):
+        result = simulate(schedule, *self.costs, w_memory=self.w_memory)
+        if any(peak > cap + _EPS for peak, cap in zip(result.peak_memory, self.limits)):
             return None
         self.candidates.append(Candidate(label, schedule, result))
         return self.candidates[-1]

@@ -12,7 +12,9 @@ _F, _B, _W, _BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 
 __all__ = [
     "RankProgram",
+    "check_choice",
     "check_positive_int",
+    "check_v_shape",
     "finish",
     "loop_mapping",
     "v_mapping",
@@ -24,6 +26,23 @@ def check_positive_int(schedule: str, **values: object) -> None:
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{schedule}: {key} must be an integer >= 1, got {key}={value!r}")
+
+
+def check_v_shape(schedule: str, n_stages: int, n_microbatches: int) -> None:
+    """``ValueError`` naming ``schedule`` unless both counts are integers >= 1 and ``n_stages`` is even (the V
+    placements hold two stages per rank)."""
+    check_positive_int(schedule, n_stages=n_stages, n_microbatches=n_microbatches)
+    if n_stages % 2:
+        raise ValueError(
+            f"{schedule} places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
+        )
+
+
+def check_choice(schedule: str, name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """``ValueError`` naming ``schedule`` and the option ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        options = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+        raise ValueError(f"{schedule}: {name} must be {options}, got {name}={value!r}")
 
 
 def loop_mapping(n_stages: int, n_ranks: int) -> tuple[int, ...]:

@@ -28,15 +28,16 @@ import heapq
 import itertools
 import logging
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from .._coerce import per_rank_memory_limits
 from .._perf import gc_paused
-from ..actions import Action, ActionKind, Schedule
+from ..actions import ActionKind, Schedule
 from ..simulate import Costs, check_w_memory, stage_costs
 from ._candidates import Candidate, CandidatePool, pick_best, spans_key
-from ._common import check_positive_int, loop_mapping
+from ._common import check_choice, check_positive_int, loop_mapping
+from ._greedy import PassState
+from ._search import GreedySearch
 from .gpipe_1f1b import one_f_one_b
 from .zero_bubble import zb_h1, zb_h2
 
@@ -100,8 +101,7 @@ def greedy_schedule(
         A valid schedule whose peak activations respect ``memory_limit``.
     """
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
-    if fill not in ("eager", "fit", "reserve"):
-        raise ValueError(f"zb-auto: fill must be 'eager', 'fit' or 'reserve', got {fill=}")
+    check_choice("zb-auto", "fill", fill, ("eager", "fit", "reserve"))
     p, m = n_stages, n_microbatches
     fc, bc, wc = stage_costs(f, p, "f"), stage_costs(b, p, "b"), stage_costs(w, p, "w")
     limits = _memory_limits(memory_limit, p)
@@ -116,14 +116,9 @@ def greedy_schedule(
     # Earliest arrival of each rank's first input gradient: microbatch 0 down every stage and back up.
     down = sum(fc) + (p - 1) * comm
     first_grad = [down + sum(bc[s + 1 :]) + (p - 1 - s) * comm for s in range(p)]
-    fend = [[math.nan] * m for _ in range(p)]
-    bend = [[math.nan] * m for _ in range(p)]
-    nf, nb = [0] * p, [0] * p
-    live = [0.0] * p  # activation memory held, in M_B
-    free = [0.0] * p
-    last_was_f = [False] * p
-    pending: list[deque[int]] = [deque() for _ in range(p)]
-    actions: list[list[Action]] = [[] for _ in range(p)]
+    state = PassState(p, p, m, fc, bc, wc, r_w)  # stage s on rank s
+    fend, bend, nf, nb, free = state.fend, state.bend, state.nf, state.nb, state.free
+    live, last_was_f, pending, actions = state.live, state.last_was_f, state.pending, state.actions
     version = [0] * p
     sleeping = [False] * p
     heap: list[tuple[float, int, int, int]] = []
@@ -143,14 +138,14 @@ def greedy_schedule(
             if s == 0:
                 return 0.0, 0.0
             t = fend[s - 1][i]
-            if t == t:  # not NaN: producer already scheduled
+            if t < math.inf:  # producer already scheduled
                 return t + comm, t + comm
             return None, max(free[s - 1], now) + fc[s - 1] + comm
         i = nb[s]
         if s == p - 1:
             return fend[s][i], fend[s][i]
         t = bend[s + 1][i]
-        if t == t:
+        if t < math.inf:
             return t + comm, t + comm
         return None, max(free[s + 1], now) + bc[s + 1] + comm
 
@@ -204,30 +199,9 @@ def greedy_schedule(
             if len(known) < int(f_allowed) + int(b_allowed):
                 sleeping[s] = True
             continue
-        if choice is _F:
-            i = nf[s]
-            end = t + fc[s]
-            fend[s][i] = end
-            nf[s] += 1
-            live[s] += 1.0
-            last_was_f[s] = True
-            neighbour = s + 1
-        elif choice is _B:
-            i = nb[s]
-            end = t + bc[s]
-            bend[s][i] = end
-            nb[s] += 1
-            live[s] -= 1.0 - r_w
-            pending[s].append(i)
-            last_was_f[s] = False
-            neighbour = s - 1
-        else:
-            i = pending[s].popleft()
-            end = t + wc[s]
-            live[s] -= r_w
-            neighbour = -1
-        actions[s].append(Action(s, choice, i))
-        free[s] = end
+        _, end = state.run(s, choice, s, t)
+        # The rank whose input this action produced: a sleeping one may now run.
+        neighbour = s + 1 if choice is _F else s - 1 if choice is _B else -1
         if nf[s] < m or nb[s] < m or pending[s]:
             push(end, s)
         if 0 <= neighbour < p and sleeping[neighbour]:
@@ -270,15 +244,8 @@ def auto_candidates(
     p, m = n_stages, n_microbatches
     limits = _memory_limits(memory_limit, p)
     pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
-    consider = pool.consider
-    settings: dict[str, dict] = {}  # greedy label -> the options that made it
-
-    def greedy(label: str, **options) -> AutoCandidate | None:
-        settings[label] = options
-        schedule = greedy_schedule(
-            p, m, f=f, b=b, w=w, comm=comm, memory_limit=limits, w_memory=w_memory, **options
-        )
-        return consider(label, schedule)
+    search = GreedySearch(greedy_schedule, p, m, pool)
+    greedy = search.greedy
 
     warmups = {
         "1f1b-warmup": tuple(min(int(limits[s]), p - s) for s in range(p)),
@@ -298,11 +265,11 @@ def auto_candidates(
         greedy(label, warmup=deep, warmup_deadline=deadline, fill=fill)
     for label, builder in (("1f1b-split", None), ("zb-h1", zb_h1), ("zb-h2", zb_h2)):
         base = one_f_one_b(p, m, split_backward=True) if builder is None else builder(p, m)
-        consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
+        pool.consider(label, Schedule("zb-auto", m, base.stage_to_rank, base.rank_actions))
 
-    best = next((c for c in pool.ranked() if c.label in settings), None)
+    best = search.best_greedy()
     if tune and best is not None and p > 1 and _steady_idle(best) > _EPS:
-        _tune_w_guard(best, settings[best.label], p, greedy)  # its trials join the pool
+        _tune_w_guard(best, search.settings[best.label], p, greedy)  # its trials join the pool
     return pool.ranked()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .._perf import gc_paused
 from ..actions import Schedule
-from ._common import RankProgram, check_positive_int, finish, v_mapping
+from ._common import RankProgram, check_v_shape, finish, v_mapping
 
 __all__ = ["dualpipev"]
 
@@ -30,11 +30,7 @@ def dualpipev(n_stages: int, n_microbatches: int, *, overlap: bool = True) -> Sc
     Raises:
         ValueError: ``n_stages`` odd, or fewer microbatches than stages.
     """
-    check_positive_int("dualpipev", n_stages=n_stages, n_microbatches=n_microbatches)
-    if n_stages % 2:
-        raise ValueError(
-            f"dualpipev places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
-        )
+    check_v_shape("dualpipev", n_stages, n_microbatches)
     if n_microbatches < n_stages:
         raise ValueError(
             f"dualpipev needs at least as many microbatches as stages, got {n_microbatches=} {n_stages=}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .._perf import gc_paused
 from ..actions import ActionKind, Schedule
-from ._common import RankProgram, check_positive_int, finish, v_mapping
+from ._common import RankProgram, check_v_shape, finish, v_mapping
 
 __all__ = ["zbv"]
 
@@ -25,9 +25,7 @@ def zbv(n_stages: int, n_microbatches: int) -> Schedule:
     Raises:
         ValueError: ``n_stages`` is not even.
     """
-    check_positive_int("zbv", n_stages=n_stages, n_microbatches=n_microbatches)
-    if n_stages % 2:
-        raise ValueError(f"zbv places two stages per rank in a V, so n_stages must be even, got {n_stages=}")
+    check_v_shape("zbv", n_stages, n_microbatches)
     p = n_stages // 2
     n = max(n_microbatches, 2 * p - 1)
     F = ActionKind.F

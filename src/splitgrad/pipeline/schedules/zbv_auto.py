@@ -30,15 +30,16 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import deque
 from collections.abc import Sequence
 
 from .._coerce import as_cost, per_rank_memory_limits
 from .._perf import gc_paused
-from ..actions import Action, ActionKind, Schedule
+from ..actions import ActionKind, Schedule
 from ..simulate import Costs, check_w_memory, stage_costs
 from ._candidates import Candidate, CandidatePool, pick_best
-from ._common import check_positive_int, v_mapping
+from ._common import check_choice, check_v_shape, v_mapping
+from ._greedy import PassState
+from ._search import GreedySearch
 from .w_refill import refill_w
 from .zbv import zbv
 
@@ -59,15 +60,6 @@ def _limits(memory_limit: float | Sequence[float] | None, p: int) -> tuple[float
         "zbv-auto", memory_limit, p, default=2 * p, minimum=2,
         unit="in stage activations M_B; a rank holds two stages",
     )  # fmt: skip
-
-
-def _check_shape(n_stages: int, n_microbatches: int) -> None:
-    """``ValueError`` unless both are integers >= 1 and ``n_stages`` is even (two stages per rank)."""
-    check_positive_int("zbv-auto", n_stages=n_stages, n_microbatches=n_microbatches)
-    if n_stages % 2:
-        raise ValueError(
-            f"zbv-auto places two stages per rank in a V, so n_stages must be even, got {n_stages=}"
-        )
 
 
 @gc_paused()
@@ -115,9 +107,8 @@ def zbv_greedy(
     Raises:
         ValueError: odd ``n_stages``, bad costs, limits or options.
     """
-    _check_shape(n_stages, n_microbatches)
-    if fill not in ("eager", "fit"):
-        raise ValueError(f"zbv-auto: fill must be 'eager' or 'fit', got {fill=}")
+    check_v_shape("zbv-auto", n_stages, n_microbatches)
+    check_choice("zbv-auto", "fill", fill, ("eager", "fit"))
     p, m, n = n_stages // 2, n_microbatches, n_stages
     fc, bc, wc = stage_costs(f, n, "f"), stage_costs(b, n, "b"), stage_costs(w, n, "w")
     limits = _limits(memory_limit, p)
@@ -131,14 +122,9 @@ def zbv_greedy(
             )
     rank_of = v_mapping(p)
 
-    fend = [[_INF] * m for _ in range(n)]  # inf: not scheduled yet
-    bend = [[_INF] * m for _ in range(n)]
-    nf, nb = [0] * n, [0] * n
-    live = [0.0] * p
-    free = [0.0] * p
-    last_was_f = [False] * p
-    pending: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-    actions: list[list[Action]] = [[] for _ in range(p)]
+    state = PassState(n, p, m, fc, bc, wc, r_w)
+    fend, bend, nf, nb, free = state.fend, state.bend, state.nf, state.nb, state.free
+    live, last_was_f, pending, actions = state.live, state.last_was_f, state.pending, state.actions
     wake = [_INF] * p  # earliest queued wake-up per rank (later entries are stale)
     heap: list[tuple[float, int]] = []
 
@@ -207,30 +193,11 @@ def zbv_greedy(
             if known:
                 push(min(known), r)
             continue  # otherwise a producer's wake-up brings this rank back
+        s, end = state.run(r, kind, s, t)
         if kind is _F:
-            i = nf[s]
-            end = t + fc[s]
-            fend[s][i] = end
-            nf[s] += 1
-            live[r] += 1.0
-            last_was_f[r] = True
             consumer = s + 1 if s + 1 < n else s  # the last stage's own B needs its F
-        elif kind is _B:
-            i = nb[s]
-            end = t + bc[s]
-            bend[s][i] = end
-            nb[s] += 1
-            live[r] -= 1.0 - r_w
-            pending[r].append((s, i))
-            last_was_f[r] = False
-            consumer = s - 1 if s > 0 else -1
         else:
-            s, i = pending[r].popleft()
-            end = t + wc[s]
-            live[r] -= r_w
-            consumer = -1
-        actions[r].append(Action(s, kind, i))
-        free[r] = end
+            consumer = s - 1 if kind is _B and s > 0 else -1
         if len(actions[r]) < 3 * 2 * m:
             push(end, r)
         if consumer >= 0:
@@ -261,10 +228,11 @@ def zbv_auto_candidates(
     w_memory: float = 1.0,
 ) -> list[ZbvCandidate]:
     """Every candidate zbv-auto weighs (greedy variants and the fixed ``zbv`` if it fits), best first."""
-    _check_shape(n_stages, n_microbatches)
+    check_v_shape("zbv-auto", n_stages, n_microbatches)
     p, m = n_stages // 2, n_microbatches
     limits = _limits(memory_limit, p)
     pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
+    search = GreedySearch(zbv_greedy, n_stages, m, pool)
     consider = pool.consider
 
     fixed = zbv(n_stages, n_microbatches)
@@ -286,25 +254,14 @@ def zbv_auto_candidates(
                     label = (
                         f"greedy({dname}, fill={fill}, {order}, {'down' if down_b_first else 'up'}-b-first)"
                     )
-
-                    consider(
+                    search.greedy(
                         label,
-                        zbv_greedy(
-                            n_stages,
-                            m,
-                            f=f,
-                            b=b,
-                            w=w,
-                            comm=comm,
-                            memory_limit=limits,
-                            w_memory=w_memory,
-                            down_cap=dcap,
-                            up_cap=ucap,
-                            fill=fill,
-                            alternate=order != "b-first",
-                            down_b_first=down_b_first,
-                            strict=order == "strict",
-                        ),
+                        down_cap=dcap,
+                        up_cap=ucap,
+                        fill=fill,
+                        alternate=order != "b-first",
+                        down_b_first=down_b_first,
+                        strict=order == "strict",
                     )
 
     # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W

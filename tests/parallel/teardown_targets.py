@@ -6,6 +6,7 @@ import atexit
 import datetime
 import gc
 import os
+import time
 import weakref
 
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 import splitgrad
 from splitgrad.parallel import DistributedDataParallel
+from splitgrad.parallel.tensor import tensor_parallel_groups
 from splitgrad.pipeline import build_runtime
 from splitgrad.testing import plain_autograd_grads, shard
 
@@ -145,10 +147,55 @@ def _write_gloo_workers(path: str) -> None:
         f.write(str(_gloo_workers()))
 
 
-def gloo_workers_at_exit(rank: int, world_size: int, out_dir: str) -> int:
+def _gloo_workers_settled(at_most: int) -> int:
+    """The gloo worker count once it is ``<= at_most``, or after 1 s: a joined worker's kernel task leaves
+    ``/proc`` a moment after the join, while a held group's workers stay (the count is load-independent)."""
+    for _ in range(20):
+        alive = _gloo_workers()
+        if alive <= at_most:
+            return alive
+        time.sleep(0.05)
+    return _gloo_workers()
+
+
+def _tp_model_step(rank: int, world_size: int, tp_group: dist.ProcessGroup) -> tuple[nn.Module, float]:
+    """A column -> row tensor-parallel pair with deferred wgrad on ``tp_group``: one float64 step, checked
+    against plain autograd on the full weights. Returns the model and the largest relative difference."""
+    gen = torch.Generator().manual_seed(5)
+    w1, w2 = torch.randn(4 * D, D, dtype=F64, generator=gen), torch.randn(D, 4 * D, dtype=F64, generator=gen)
+    x = torch.randn(BATCH, D, dtype=F64, generator=gen)
+    tp = {"tp_group": tp_group, "bias": False, "delay_wgrad_compute": True, "params_dtype": F64}
+    model = nn.Sequential(
+        splitgrad.Linear(D, 4 * D, parallel_mode="column", **tp),
+        splitgrad.Linear(4 * D, D, parallel_mode="row", **tp),
+    )
+    with torch.no_grad():
+        model[0].weight.copy_(shard(w1, rank, world_size, 0))
+        model[1].weight.copy_(shard(w2, rank, world_size, 1))
+    xs = x.clone().requires_grad_()
+    y = model(xs)
+    y.square().sum().backward()
+    splitgrad.backward_dw(model)
+    ref = [w1.clone().requires_grad_(), w2.clone().requires_grad_(), x.clone().requires_grad_()]
+    y_ref = ref[2] @ ref[0].T @ ref[1].T
+    y_ref.square().sum().backward()
+    got = [model[0].weight.grad, model[1].weight.grad, xs.grad, y]
+    want = [
+        shard(ref[0].grad, rank, world_size, 0),
+        shard(ref[1].grad, rank, world_size, 1),
+        ref[2].grad,
+        y_ref,
+    ]
+    return model, max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
+
+
+def gloo_workers_at_exit(rank: int, world_size: int, out_dir: str) -> dict[str, float]:
     """Import what the first ``torch.optim`` optimizer imports (``torch.distributed._shard``, via
-    ``torch._dynamo``) after the group exists, run a collective, and record at interpreter exit (after the
-    harness's ``destroy_process_group()``) how many gloo worker threads are left. Returns the count now."""
+    ``torch._dynamo``) after the group exists, run a collective and a tensor-parallel step on a group of its
+    own (``tensor_parallel_groups``), keep the TP model, its layout and a live autograd graph in :data:`HELD`,
+    and record at interpreter exit (after the harness's ``destroy_process_group()``) how many gloo worker
+    threads are left. Returns the counts seen on the way, and the negative check: a group destroyed while a
+    strong holder keeps it leaves its workers running until the holder lets go."""
     import importlib
 
     importlib.import_module("torch.distributed._shard")
@@ -156,5 +203,25 @@ def gloo_workers_at_exit(rank: int, world_size: int, out_dir: str) -> int:
     dist.all_reduce(x)
     if not torch.equal(x, torch.full((4,), float(world_size * (world_size + 1) // 2))):
         raise RuntimeError(f"all_reduce gave {x.tolist()}")
+    out = {"default group": _gloo_workers()}
+
+    groups = tensor_parallel_groups(world_size)
+    model, out["tp max rel error"] = _tp_model_step(rank, world_size, groups.tp_group)
+    graph = model(torch.ones(BATCH, D, dtype=F64, requires_grad=True))  # its autograd nodes keep the configs
+    HELD.extend([model, groups, graph])
+    out["with tp groups"] = _gloo_workers()
+
+    probe = dist.new_group(list(range(world_size)))
+    dist.all_reduce(torch.ones(1), group=probe)
+    out["with probe"] = _gloo_workers()
+    strong, ref = [probe], weakref.ref(probe)
+    del probe
+    dist.destroy_process_group(ref())
+    gc.collect()
+    out["probe destroyed, held"] = _gloo_workers()
+    del strong
+    gc.collect()
+    out["probe destroyed, dropped"] = _gloo_workers_settled(at_most=int(out["with tp groups"]))
+
     atexit.register(_write_gloo_workers, os.path.join(out_dir, f"rank{rank}.txt"))
-    return _gloo_workers()
+    return out

@@ -1,15 +1,20 @@
-"""Tensor-parallel layers and the GPT model never store the default process group.
+"""Tensor-parallel layers, the GPT model and ``TensorParallelGroups`` never hold their process group.
 
-Why: a reference to the default group that outlives ``destroy_process_group()`` keeps gloo's worker threads
-running into interpreter shutdown, where a worker still releasing its last collective's tensors needs the GIL
-and aborts the process ("terminate called without an active exception", SIGABRT; docs/parallel.md, "A crash
-at exit"). ``tp_group=dist.group.WORLD`` is the usual spelling, so the layers look it up at use instead. A
-group of their own is held, as it must be (the negative check). One-rank gloo group in this process.
+Why: a reference to a group that outlives ``destroy_process_group()`` keeps gloo's worker threads running into
+interpreter shutdown, where a worker still releasing its last collective's tensors needs the GIL and aborts the
+process ("terminate called without an active exception", SIGABRT; docs/parallel.md, "A crash at exit"). The
+default group (``tp_group=dist.group.WORLD``, the usual spelling) is looked up at use; a group of their own
+(``tensor_parallel_groups``) is held weakly, torch's registry keeping it until it is destroyed. Checked
+deterministically by reachability and by a weak reference that must die with the group; the negative checks
+show both see a strong holder. One-rank gloo groups in this process. (At exit, across processes:
+``tests/parallel/test_teardown.py::test_no_gloo_worker_is_left_at_interpreter_exit``.)
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import GPT, GPTConfig, lm_loss
+from splitgrad.parallel import TensorParallelGroups
 from tests.helpers import one_rank_group
 
 
@@ -72,8 +78,54 @@ def test_the_default_group_is_looked_up_not_held(group):
     assert all(p.grad is not None for p in gpt.parameters())
 
 
-def test_a_group_of_their_own_is_held(group):
+@dataclass(frozen=True, slots=True)
+class _StrongHolder:
+    """What ``TensorParallelGroups`` was before: a slotted dataclass holding the group itself."""
+
+    tp_group: dist.ProcessGroup
+
+
+def _groups(tp_group) -> TensorParallelGroups:
+    return TensorParallelGroups(tp_rank=0, tp_group=tp_group, outer_rank=0, outer_group=tp_group)
+
+
+def test_a_group_of_their_own_is_held_weakly(group):
     own = dist.new_group([0])
-    for model in _models(own):
-        assert _reaches(model, own), type(model).__name__  # negative check: the search finds a held group
-    assert _models(own)[-1].tp_group is own
+    holders = [*_models(own), _groups(own)]
+    for holder in holders:
+        assert not _reaches(holder, own), type(holder).__name__
+    # In use before: the layers' collectives get it, the model and the layout hand it out.
+    assert all(m.tp.group is own for m in holders[:4]) and holders[4].tp_group is own
+    assert holders[5].tp_group is own and holders[5].outer_group is own
+    # Negative check: the search sees a group held in slots, as the layout held it before.
+    assert _reaches(_StrongHolder(own), own)
+
+    ref = weakref.ref(own)
+    del own
+    dist.destroy_process_group(ref())
+    gc.collect()
+    assert ref() is None, (
+        "a tensor-parallel layer, GPT or TensorParallelGroups kept the destroyed group alive"
+    )
+    with pytest.raises(RuntimeError, match=r"Linear\(8, 8\)\.tp_group: its process group was destroyed"):
+        _ = holders[0].tp.group
+    with pytest.raises(
+        RuntimeError, match=r"LayerNormMLP\(8, 16\)\.tp_group: its process group was destroyed"
+    ):
+        _ = holders[3].tp.group
+    with pytest.raises(RuntimeError, match=r"GPT\.tp_group: its process group was destroyed"):
+        _ = holders[4].tp_group
+    for name in ("tp_group", "outer_group"):
+        with pytest.raises(RuntimeError, match=rf"TensorParallelGroups\.{name}: its process group was"):
+            getattr(holders[5], name)
+
+
+def test_the_weak_reference_sees_a_strong_holder(group):
+    # Negative check of the one above: a holder like the old layout keeps the destroyed group alive.
+    own = dist.new_group([0])
+    held = _StrongHolder(own)
+    ref = weakref.ref(own)
+    del own
+    dist.destroy_process_group(ref())
+    gc.collect()
+    assert ref() is held.tp_group

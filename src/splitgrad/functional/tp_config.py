@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .group_ref import GroupRef
+
 __all__ = [
     "DEFAULT_TP_TIMEOUT_S",
     "PARALLEL_MODES",
@@ -30,11 +32,11 @@ PARALLEL_MODES = (None, "column", "row")
 class TensorParallelConfig:
     """How one layer is split over its tensor-parallel group."""
 
-    group: dist.ProcessGroup | None
-    """The tensor-parallel process group; None: a single rank (``size == 1``), or the default group (which
-    torch's collectives use for ``group=None``). The default group is never stored: a reference that outlives
-    ``destroy_process_group()`` keeps gloo's worker threads running into interpreter shutdown, where they may
-    abort the process (see docs/parallel.md, "A crash at exit")."""
+    group_ref: GroupRef | None
+    """Where the tensor-parallel process group is found (None: a single rank, ``size == 1``). The default
+    group is looked up at each use and any other registered group held weakly (torch's registry keeps it
+    until it is destroyed): a layer left in a script's globals must not keep gloo's worker threads running
+    into interpreter shutdown, where they may abort the process (docs/parallel.md, "A crash at exit")."""
     size: int
     """Ranks in ``group`` (1 without a group)."""
     rank: int
@@ -45,6 +47,12 @@ class TensorParallelConfig:
     """Activations outside the layer are sharded on dim 0 (sequence-first ``(s, b, h)``); only with size > 1."""
     timeout_s: float = DEFAULT_TP_TIMEOUT_S
     """Limit for every collective's wait."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group for torch's collectives: None for a single rank or the default group (which they use
+        for ``group=None``); ``RuntimeError`` naming the holder once the group was destroyed."""
+        return None if self.group_ref is None else self.group_ref.get_or_none()
 
     @property
     def splits(self) -> bool:
@@ -100,7 +108,7 @@ def tensor_parallel_config(
             f"{owner}: sequence_parallel=True needs parallel_mode='column' or 'row' (got {parallel_mode=})"
         )
     return TensorParallelConfig(
-        group=None if tp_group is dist.group.WORLD else tp_group,
+        group_ref=None if tp_group is None else GroupRef(tp_group, owner=f"{owner}.tp_group"),
         size=size,
         rank=rank,
         parallel_mode=parallel_mode,

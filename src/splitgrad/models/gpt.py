@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.steps import Steps, child_steps
+from ..functional.group_ref import GroupRef
 from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
 from ..functional.tp_sequence import gather_sequence, split_sequence
 from ..module.layernorm_linear import LayerNormLinear
@@ -278,9 +279,9 @@ class GPT(nn.Module):
             got = None if tp_group is None else dist.get_world_size(tp_group)
             raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
-        # The default group is looked up at use, never stored (see TensorParallelConfig.group).
-        self._tp_default = tp_group is not None and tp_group is dist.group.WORLD
-        self._tp_group = None if self._tp_default else tp_group
+        # The default group is looked up at use, another held weakly (functional/group_ref.py): a model left
+        # in a script's globals must not keep the group's gloo workers alive past destroy_process_group().
+        self._tp_group = None if tp_group is None else GroupRef(tp_group, owner="GPT.tp_group")
         sp = sequence_parallel_config(tp_group, config)
         self.embed = Embedding(config, sp)
         self.blocks = nn.ModuleList(
@@ -294,7 +295,7 @@ class GPT(nn.Module):
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group the model was built with (None: unsplit)."""
-        return dist.group.WORLD if self._tp_default else self._tp_group
+        return None if self._tp_group is None else self._tp_group.get()
 
     def _make_mlp(self, config: GPTConfig, layer: int) -> nn.Module:
         """The MLP branch of block ``layer`` (overridden by the MoE model)."""

@@ -9,7 +9,6 @@ re-exported here.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch import nn
 from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
 from ..functional.tp_config import DEFAULT_TP_TIMEOUT_S, TensorParallelConfig, tensor_parallel_config
 from ..functional.tp_sequence import gather_sequence, split_sequence
+from .group_ref import GroupRef
 
 __all__ = [
     "PendingCollective",
@@ -34,19 +34,46 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
 class TensorParallelGroups:
-    """This rank's place in a ``tp_size``-wide tensor-parallel layout (Megatron's: TP ranks are adjacent)."""
+    """This rank's place in a ``tp_size``-wide tensor-parallel layout (Megatron's: TP ranks are adjacent).
 
-    tp_rank: int
-    """Rank inside the tensor-parallel group."""
-    tp_group: dist.ProcessGroup
-    """The ``tp_size`` adjacent ranks ``[k * tp_size, (k + 1) * tp_size)`` this rank belongs to."""
-    outer_rank: int
-    """Index ``k`` of this rank's TP group: its rank in ``outer_group``."""
-    outer_group: dist.ProcessGroup | None
-    """The ranks with the same ``tp_rank`` (``tp_rank, tp_rank + tp_size, ...``): the group a pipeline or a
-    data-parallel wrapper of this TP shard runs over; None when there is a single TP group."""
+    The groups are held weakly (torch's registry holds them until ``dist.destroy_process_group()``): this
+    object, kept in a script's globals, must not keep their gloo workers alive to interpreter exit
+    (docs/parallel.md, "A crash at exit"); reading a group after its destruction raises ``RuntimeError``.
+    """
+
+    __slots__ = ("_outer", "_tp", "outer_rank", "tp_rank")
+
+    def __init__(
+        self,
+        *,
+        tp_rank: int,
+        tp_group: dist.ProcessGroup,
+        outer_rank: int,
+        outer_group: dist.ProcessGroup | None,
+    ) -> None:
+        self.tp_rank = tp_rank
+        """Rank inside the tensor-parallel group."""
+        self.outer_rank = outer_rank
+        """Index ``k`` of this rank's TP group: its rank in ``outer_group``."""
+        self._tp = GroupRef(tp_group, owner="TensorParallelGroups.tp_group")
+        self._outer = (
+            None if outer_group is None else GroupRef(outer_group, owner="TensorParallelGroups.outer_group")
+        )
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        """The ``tp_size`` adjacent ranks ``[k * tp_size, (k + 1) * tp_size)`` this rank belongs to."""
+        return self._tp.get()
+
+    @property
+    def outer_group(self) -> dist.ProcessGroup | None:
+        """The ranks with the same ``tp_rank`` (``tp_rank, tp_rank + tp_size, ...``): the group a pipeline or a
+        data-parallel wrapper of this TP shard runs over; None when there is a single TP group."""
+        return None if self._outer is None else self._outer.get()
+
+    def __repr__(self) -> str:
+        return f"TensorParallelGroups(tp_rank={self.tp_rank}, outer_rank={self.outer_rank})"
 
 
 def tensor_parallel_groups(tp_size: int, *, backend: str | None = None) -> TensorParallelGroups:

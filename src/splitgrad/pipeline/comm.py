@@ -2,7 +2,8 @@
 
 One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.actions.Transfer` of a
 :class:`~splitgrad.pipeline.Schedule` over ``torch.distributed`` (``batch_isend_irecv``: gloo on CPU, NCCL on
-accelerators). Rules, all derived from the schedule so both ends agree without talking:
+accelerators). Rules, all derived from the schedule so both ends agree without talking (what the schedule
+implies for this rank's messages is computed once, in ``_comm_plan.py``):
 
 * **Order.** A receiver posts its receives from a peer in the order that peer *sends* (its action order),
   buffering messages it does not need yet. Transports that pair messages by posting order (NCCL) therefore
@@ -37,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.group_ref import GroupRef
-from ._comm_state import Channel, Incoming, MessageKey, Meta, Sent, StepState, describe, message_key
+from ._comm_plan import plan_messages
+from ._comm_state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
 from ._header import HEADER_LEN, decode_header, encode_header
 from .actions import Action, Schedule, Transfer
 from .comm_stats import CommStats, ReceiveRecord
@@ -86,33 +88,8 @@ class PipelineComm:
         self._coalesce = dist.get_backend(group) == "nccl"
         self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
-        # Messages from each peer in that peer's send order, and which of them open a channel (carry a header
-        # while the channel's shape is unknown).
-        self._from_peer: dict[int, list[tuple[Transfer, bool]]] = {}
-        self._first_out: set[MessageKey] = set()
-        self._position: dict[MessageKey, tuple[int, int]] = {}
-        # Index, in its producer's / consumer's action list, of the action that sends / receives each message:
-        # what proves a send delivered (see _release_delivered).
-        self._produced_at: dict[MessageKey, int] = {}
-        self._consumed_at: dict[MessageKey, int] = {}
-        for src, actions in enumerate(schedule.rank_actions):
-            opened: set[tuple[int, str, int]] = set()
-            for index, action in enumerate(actions):
-                for t in schedule.receives(action):
-                    if t.src_rank == rank:
-                        self._consumed_at[message_key(t)] = index
-                for out in schedule.sends(action):
-                    channel = (out.dst_rank, out.kind, out.src_stage)
-                    first = channel not in opened
-                    opened.add(channel)
-                    if src == rank and first:
-                        self._first_out.add(message_key(out))
-                    if out.dst_rank == rank:
-                        msgs = self._from_peer.setdefault(src, [])
-                        self._position[message_key(out)] = (src, len(msgs))
-                        self._produced_at[message_key(out)] = index
-                        msgs.append((out, first))
-        self._tag_base = 2 * schedule.n_stages
+        # Who sends what to whom, in which order, with which tag: derived from the schedule, as on every peer.
+        self._plan = plan_messages(schedule, rank)
         # Channel shapes both ends agreed on in a completed step (kept across steps; see reset_shapes).
         self._known_out: dict[Channel, Meta] = {}
         self._known_in: dict[Channel, Meta] = {}
@@ -136,10 +113,6 @@ class PipelineComm:
         if self.group is None or self.group is dist.GroupMember.WORLD:
             return r
         return dist.get_global_rank(self.group, r)
-
-    def _tag(self, transfer: Transfer, header: bool) -> int:
-        channel = 2 * transfer.src_stage + (transfer.kind == "gradient")
-        return 2 * (transfer.microbatch * self._tag_base + channel) + header
 
     # -- step boundaries ---------------------------------------------------------------------------------
 
@@ -165,7 +138,7 @@ class PipelineComm:
             self._wait_sent(sent, deadline)
         state.sent = []
         received = sum(state.next_index.values())
-        expected = sum(len(msgs) for msgs in self._from_peer.values())
+        expected = self._plan.n_incoming()
         unread = [describe(m.transfer) for m in state.incoming.values() if not m.consumed]
         self._state = StepState()
         if unread or received != expected:
@@ -189,15 +162,15 @@ class PipelineComm:
         Raises:
             ValueError: the tensor's shape or dtype differs from what its channel carries.
         """
-        state = self._state
+        state, plan = self._state, self._plan
         payload = tensor.detach().contiguous()
         channel = (transfer.kind, transfer.src_stage)
         meta = (tuple(payload.shape), payload.dtype)
         peer = self._global[transfer.dst_rank]
-        if message_key(transfer) in self._first_out and channel not in self._known_out:
+        if message_key(transfer) in plan.first_out and channel not in self._known_out:
             state.meta_out[channel] = meta
             header = encode_header(payload, self.device)
-            state.queued.append(dist.P2POp(dist.isend, header, peer, self.group, self._tag(transfer, True)))
+            state.queued.append(dist.P2POp(dist.isend, header, peer, self.group, plan.tag(transfer, True)))
             state.queued_about.append((transfer, action))
         elif state.meta_out.get(channel) != meta:
             fixed = channel in self._known_out
@@ -212,7 +185,7 @@ class PipelineComm:
                     else "every microbatch of a step must have the same shapes"
                 )
             )
-        state.queued.append(dist.P2POp(dist.isend, payload, peer, self.group, self._tag(transfer, False)))
+        state.queued.append(dist.P2POp(dist.isend, payload, peer, self.group, plan.tag(transfer, False)))
         state.queued_about.append((transfer, action))
 
     def _wait_sent(self, sent: Sent, deadline: float) -> None:
@@ -223,11 +196,11 @@ class PipelineComm:
     def _release_delivered(self, peer: int, peer_index: int) -> None:
         """Wait (at once: they are done) and drop the sends ``peer`` consumed at or before its action
         ``peer_index``: it has sent us a message from that action on, so it had received them."""
-        state, pending = self._state, []
+        state, pending, consumed_at = self._state, [], self._plan.consumed_at
         deadline = time.monotonic() + self.timeout
         for sent in state.sent:
             t = sent.transfer
-            if t.dst_rank == peer and self._consumed_at.get(message_key(t), peer_index + 1) <= peer_index:
+            if t.dst_rank == peer and consumed_at.get(message_key(t), peer_index + 1) <= peer_index:
                 self._wait_sent(sent, deadline)
                 state.stats.released_early += 1
             else:
@@ -312,14 +285,14 @@ class PipelineComm:
                 msg.posted_at,
                 needed,
                 time.perf_counter(),
-                self._tag(transfer, False),
+                self._plan.tag(transfer, False),
             )
         )
         msg.consumed = True
         payload, msg.payload, msg.payload_work = msg.payload, None, None
         stats.recv_bytes -= payload.nbytes
         if self._state.sent:
-            self._release_delivered(transfer.src_rank, self._produced_at[key])
+            self._release_delivered(transfer.src_rank, self._plan.produced_at[key])
         return payload
 
     def _advance(self, transfer: Transfer, action: Action | None, *, block: bool) -> Incoming | None:
@@ -331,13 +304,13 @@ class PipelineComm:
         """
         state = self._state
         key = message_key(transfer)
-        if key not in self._position:
+        if key not in self._plan.position:
             raise RuntimeError(
                 f"pipeline rank {self.rank}: action {action} expects the {describe(transfer)}, which no rank's "
                 "schedule sends"
             )
-        peer, target = self._position[key]
-        msgs = self._from_peer[peer]
+        peer, target = self._plan.position[key]
+        msgs = self._plan.from_peer[peer]
         ops: list[dist.P2POp] = []
         posted: list[tuple[Incoming, bool]] = []
 
@@ -386,7 +359,7 @@ class PipelineComm:
 
     def _recv_op(self, tensor: torch.Tensor, transfer: Transfer, *, header: bool) -> dist.P2POp:
         peer = self._global[transfer.src_rank]
-        return dist.P2POp(dist.irecv, tensor, peer, self.group, self._tag(transfer, header))
+        return dist.P2POp(dist.irecv, tensor, peer, self.group, self._plan.tag(transfer, header))
 
     # -- bounded waits -----------------------------------------------------------------------------------
 

@@ -253,7 +253,7 @@ def add_pair_arguments(parser: argparse.ArgumentParser, driver_help: str) -> Non
         "--driver",
         dest="drivers",
         type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
-        default=["threads"],
+        default=["steps"],
         help=driver_help,
     )
 

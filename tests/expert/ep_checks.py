@@ -347,7 +347,9 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     # could interleave differently on each rank).
     shared = ExpertParallelMoEGPT(config, ep_group=ep_group)
     try:
-        overlapped_forward_backward(shared, local[0][0], torch.zeros((), requires_grad=True))
+        overlapped_forward_backward(
+            shared, local[0][0], torch.zeros((), requires_grad=True), driver="threads"
+        )
     except ValueError as exc:
         out.append(str(exc))
     else:

@@ -97,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="with --moe: how the overlapped pair interleaves, overlapped_forward_backward(driver=...): threads "
         "(the backward on a second thread) or steps (one thread stepping the forward at each backward "
-        "exchange) (default: threads)",
+        "exchange) (default: steps)",
     )
     parser.set_defaults(func=run, usage_error=parser.error)
 

@@ -139,7 +139,7 @@ def run_moe(args: argparse.Namespace) -> int:
         "seq_len": min(args.seq_len, 128), "hidden_size": args.hidden_size, "num_layers": args.num_layers,
         "num_heads": args.num_heads, "max_chars": args.max_chars, "seed": args.seed, "lr": args.lr,
         "steps": max(args.steps, 6), "batch_size": max(2, args.batch_size - args.batch_size % 2),
-        "driver": getattr(args, "driver", None) or "threads",
+        "driver": getattr(args, "driver", None) or "steps",
     }  # fmt: skip
     print(
         f"splitgrad demo --moe: {args.ep} expert-parallel ranks, {4 * args.ep} experts, {opts['steps']} steps, "

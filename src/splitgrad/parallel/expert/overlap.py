@@ -74,7 +74,8 @@ def overlapped_forward_backward(
             Megatron-Core's combined-1F1B order; see ``step_driver.py``) or ``"threads"`` (the backward on a
             second thread; the OS or the baton decides who computes). Measured on 2 gloo ranks in a rate-limited
             namespace, ``"steps"`` hid more of the all-to-all time in every row (README).
-        timeout: ``"threads"``: seconds to wait for the backward after the forward finished (None: forever).
+        timeout: ``"threads"``: seconds to wait for the backward's first exchange before the forward starts anyway,
+            and for the backward after the forward finished (None: forever).
             ``"steps"`` runs everything on the calling thread; each exchange wait has its group's timeout.
         wgrad_in_dispatch: for the call, set the ``wgrad_in_dispatch`` of ``module``'s expert layers: True runs
             each layer's deferred expert weight gradients (delayed wgrad only) while its backward dispatch

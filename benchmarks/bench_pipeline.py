@@ -58,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -269,27 +270,29 @@ REF, REF2 = "reference (1 process)", "reference, both ranks at once"
 
 
 def build_variants(cfg: BenchConfig, rank: int, head_to_head: bool = False) -> dict[str, object]:
-    """Every variant; ``head_to_head``: only splitgrad ``zbv`` and PyTorch's zero-bubble schedules."""
-    if head_to_head:
-        return {
-            k: v
-            for k, v in build_variants(cfg, rank).items()
-            if k.endswith("splitgrad zbv") or ("torch" in k and "ZB" in k)
-        }
-    variants: dict[str, object] = {}
+    """Every variant; ``head_to_head``: only splitgrad ``zbv`` and PyTorch's zero-bubble schedules (the others
+    are not built: no models, stages or runtimes for variants the run does not time)."""
+    makers: dict[str, Callable[[], object]] = {}
     for three_d in (False, True):
         tag = "3-D" if three_d else "2-D"
-        variants[f"{tag}|{REF}"] = ReferenceVariant(cfg, three_d, rank=rank)
-        variants[f"{tag}|{REF2}"] = ReferenceVariant(cfg, three_d, rank=rank, both=True)
+        makers[f"{tag}|{REF}"] = partial(ReferenceVariant, cfg, three_d, rank=rank)
+        makers[f"{tag}|{REF2}"] = partial(ReferenceVariant, cfg, three_d, rank=rank, both=True)
         for name in TORCH_SCHEDULES:
             if not (three_d and name != "1F1B"):  # PyTorch's own split fails there: see native_attempt
-                variants[f"{tag}|torch {name}"] = TorchVariant(cfg, name, three_d, adapter=False, rank=rank)
+                makers[f"{tag}|torch {name}"] = partial(
+                    TorchVariant, cfg, name, three_d, adapter=False, rank=rank
+                )
         for name in TORCH_SCHEDULES[1:]:
-            key = f"{tag}|torch {name} + adapter"
-            variants[key] = TorchVariant(cfg, name, three_d, adapter=True, rank=rank)
+            makers[f"{tag}|torch {name} + adapter"] = partial(
+                TorchVariant, cfg, name, three_d, adapter=True, rank=rank
+            )
         for name in SPLITGRAD_SCHEDULES:
-            variants[f"{tag}|splitgrad {name}"] = SplitgradVariant(cfg, name, three_d, rank=rank)
-    return variants
+            makers[f"{tag}|splitgrad {name}"] = partial(SplitgradVariant, cfg, name, three_d, rank=rank)
+    return {
+        key: make()
+        for key, make in makers.items()
+        if not head_to_head or key.endswith("splitgrad zbv") or ("torch" in key and "ZB" in key)
+    }
 
 
 def run_rank(rank: int, world: int, cfg_fields: dict, memory: bool, head_to_head: bool = False) -> dict:

@@ -17,7 +17,7 @@ from torch import nn
 
 import splitgrad
 
-__all__ = ["attach_main_grad", "fused_weights", "grads", "make_graphed", "one_rank_group"]
+__all__ = ["attach_main_grad", "destroyed_group", "fused_weights", "grads", "make_graphed", "one_rank_group"]
 
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -109,3 +109,20 @@ def one_rank_group(tmp_path_factory):
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def destroyed_group(make_holders):
+    """Build holders on a fresh one-rank group of the default group (:func:`one_rank_group`), destroy the group,
+    collect garbage; return ``(weakref to the group, holders)``: the reference is dead unless a holder kept it."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    own = dist.new_group([0])
+    holders = make_holders(own)
+    ref = weakref.ref(own)
+    del own
+    dist.destroy_process_group(ref())
+    gc.collect()
+    return ref, holders

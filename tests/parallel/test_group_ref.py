@@ -27,23 +27,12 @@ from splitgrad.parallel import DistributedDataParallel
 from splitgrad.parallel.expert import ExpertParallelMoEGPT
 from splitgrad.parallel.group_ref import GroupRef
 from splitgrad.pipeline import build_runtime, pipeline_groups
-from tests.helpers import one_rank_group
+from tests.helpers import destroyed_group, one_rank_group
 
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     yield from one_rank_group(tmp_path_factory)
-
-
-def _destroyed(make_holders) -> tuple[weakref.ref, list]:
-    """Build the holders on a fresh one-rank group, destroy the group; return (weak ref to it, holders)."""
-    own = dist.new_group([0])
-    holders = make_holders(own)
-    ref = weakref.ref(own)
-    del own
-    dist.destroy_process_group(ref())
-    gc.collect()
-    return ref, holders
 
 
 def _linear():
@@ -60,7 +49,7 @@ def test_ddp_runtime_and_pipeline_groups_do_not_hold_a_destroyed_group(group):
         assert ddp.process_group is own and rt_own.pp_group is own  # in use before
         return [ddp, rt, rt_own]
 
-    ref, (ddp, rt, rt_own) = _destroyed(make)
+    ref, (ddp, rt, rt_own) = destroyed_group(make)
     assert ref() is None, "a splitgrad object kept the destroyed group alive"
     with pytest.raises(RuntimeError, match=r"DistributedDataParallel\.process_group: its process group was"):
         _ = ddp.process_group
@@ -90,7 +79,7 @@ def test_expert_layers_and_all_to_all_nodes_do_not_hold_a_destroyed_group(group)
         lm_loss(logits, ids).backward(retain_graph=True)
         return [model, logits]
 
-    ref, (model, logits) = _destroyed(make)
+    ref, (model, logits) = destroyed_group(make)
     assert logits.grad_fn is not None
     assert ref() is None, "the expert model or its autograd graph kept the destroyed group alive"
     layer = model.blocks[0].mlp
@@ -102,7 +91,7 @@ def test_expert_layers_and_all_to_all_nodes_do_not_hold_a_destroyed_group(group)
 def test_the_check_sees_a_held_group(group):
     # Negative checks: a strong reference keeps the group alive (what the checks above would then see), and
     # a group torch does not know (a bare backend) is held strongly, since nothing else would keep it.
-    ref, held = _destroyed(lambda own: [own])
+    ref, held = destroyed_group(lambda own: [own])
     assert ref() is held[0]
     backend = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     kept = GroupRef(backend, owner="test")

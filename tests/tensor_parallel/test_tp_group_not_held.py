@@ -13,7 +13,6 @@ show both see a strong holder. One-rank gloo groups in this process. (At exit, a
 from __future__ import annotations
 
 import gc
-import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +22,7 @@ import torch.distributed as dist
 import splitgrad
 from splitgrad.models import GPT, GPTConfig, lm_loss
 from splitgrad.parallel import TensorParallelGroups
-from tests.helpers import one_rank_group
+from tests.helpers import destroyed_group, one_rank_group
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +89,18 @@ def _groups(tp_group) -> TensorParallelGroups:
 
 
 def test_a_group_of_their_own_is_held_weakly(group):
-    own = dist.new_group([0])
-    holders = [*_models(own), _groups(own)]
-    for holder in holders:
-        assert not _reaches(holder, own), type(holder).__name__
-    # In use before: the layers' collectives get it, the model and the layout hand it out.
-    assert all(m.tp.group is own for m in holders[:4]) and holders[4].tp_group is own
-    assert holders[5].tp_group is own and holders[5].outer_group is own
-    # Negative check: the search sees a group held in slots, as the layout held it before.
-    assert _reaches(_StrongHolder(own), own)
+    def make(own):
+        holders = [*_models(own), _groups(own)]
+        for holder in holders:
+            assert not _reaches(holder, own), type(holder).__name__
+        # In use before: the layers' collectives get it, the model and the layout hand it out.
+        assert all(m.tp.group is own for m in holders[:4]) and holders[4].tp_group is own
+        assert holders[5].tp_group is own and holders[5].outer_group is own
+        # Negative check: the search sees a group held in slots, as the layout held it before.
+        assert _reaches(_StrongHolder(own), own)
+        return holders
 
-    ref = weakref.ref(own)
-    del own
-    dist.destroy_process_group(ref())
-    gc.collect()
+    ref, holders = destroyed_group(make)
     assert ref() is None, (
         "a tensor-parallel layer, GPT or TensorParallelGroups kept the destroyed group alive"
     )
@@ -122,10 +119,5 @@ def test_a_group_of_their_own_is_held_weakly(group):
 
 def test_the_weak_reference_sees_a_strong_holder(group):
     # Negative check of the one above: a holder like the old layout keeps the destroyed group alive.
-    own = dist.new_group([0])
-    held = _StrongHolder(own)
-    ref = weakref.ref(own)
-    del own
-    dist.destroy_process_group(ref())
-    gc.collect()
+    ref, held = destroyed_group(_StrongHolder)
     assert ref() is held.tp_group

@@ -3,8 +3,11 @@
 These are the only places splitgrad computes or writes a linear's parameter gradients, for modules and ops
 alike, so the accumulate-never-overwrite rule, Megatron's ``main_grad`` attributes (``overwrite_main_grad``,
 ``grad_added_to_main_grad``) and the checks before any write live here once. The immediate path returns
-:func:`linear_wgrad` to autograd and the split path writes exactly that product (or adds it into
-``main_grad`` with one addmm), so every mode is bitwise identical.
+:func:`linear_wgrad` to autograd and the delayed path writes exactly that product, so delayed and immediate
+are bitwise identical; the fused path adds it into ``main_grad`` with one ``addmm_`` (no weight-sized
+temporary) in both its immediate and delayed forms, which are bitwise identical to each other. Fused against
+unfused is the same sum through another BLAS kernel: equal within rounding, and how it rounds depends on
+the kernel the CPU dispatches to.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import splitgrad
-from tests.tensor_parallel.tp_checks import EXACT, F64, TOL, _close, _null, vs_immediate
+from tests.tensor_parallel.tp_checks import F64, TOL, _close, _null, vs_immediate
 
 S, B, H, FFN = 6, 2, 6, 12
 Slicer = Callable[[torch.Tensor], torch.Tensor]

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-matrix lint format bench clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m pytest -q
+
+# The suite three times: as CI runs it, on other BLAS/ATen kernels (MKL's AVX2 path on AVX-512 machines, MKL's
+# conditional-numerical-reproducibility path elsewhere, ATen's AVX2 kernels), and single-threaded (other
+# reduction splits). A bitwise assertion must hold in all three: it compares the same operations in the same
+# order, never two kernels that happen to round alike on one CPU. About three times `make test`.
+KERNEL_VARIANT := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=COMPATIBLE
+
+test-matrix: $(STAMP)
+	$(PY) -m pytest -q
+	$(KERNEL_VARIANT) $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples

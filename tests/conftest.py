@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitgrad.core import active_bundle
+from splitgrad.core.bundle import active_bundle
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import splitgrad
+from splitgrad.core.bundle import active_bundle
 from tests.core.helpers import assert_same
 from tests.helpers import grads
 
@@ -141,9 +142,9 @@ def test_error_captures_exited_out_of_order():
     with pytest.raises(RuntimeError, match="reverse order"):
         outer.__exit__(None, None, None)
     # The misused block is gone, the open one stays.
-    assert splitgrad.core.active_bundle() is inner_bundle
+    assert active_bundle() is inner_bundle
     inner.__exit__(None, None, None)
-    assert splitgrad.core.active_bundle() is None
+    assert active_bundle() is None
 
 
 def test_store_clear_is_loud_and_counts():

@@ -12,7 +12,8 @@ import gc
 import pytest
 import torch
 
-from splitgrad.graphs import GraphCaptureError, GraphReplayError, resolve_backend
+from splitgrad.graphs import GraphCaptureError, GraphReplayError
+from splitgrad.graphs.backend import resolve_backend
 from splitgrad.testing import CpuGraphBackend
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.graphs import CudaGraph, CudaGraphBackend, make_graphed_callables, resolve_backend
+from splitgrad.graphs import CudaGraphBackend, make_graphed_callables
+from splitgrad.graphs.backend import resolve_backend
+from splitgrad.graphs.cuda_backend import CudaGraph
 from splitgrad.testing import CpuGraphBackend
 
 from .helpers import (

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.graphs import GraphAction
-from splitgrad.graphs.order import normalize_order
+from splitgrad.graphs.order import GraphAction, normalize_order
 from splitgrad.testing import CpuGraphBackend
 from tests.helpers import make_graphed
 

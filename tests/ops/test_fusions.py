@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from splitgrad import ops
+from splitgrad.ops.fuser import OperationFuser
 from tests.ops._reference import (
     assert_results_close,
     assert_results_equal,
@@ -120,7 +121,7 @@ def test_registering_a_fusion_replans_and_a_broken_fusion_is_rejected() -> None:
         seq(x)
     stray = ops.FusionRegistry(backward=[lambda ops_: [*ops_, None]])
     with pytest.raises(TypeError, match="returned non-ops"):
-        ops.OperationFuser(list(seq), stray).plans()
+        OperationFuser(list(seq), stray).plans()
     with pytest.raises(TypeError, match="callable"):
         seq.fusions.register_backward("not a function")
 

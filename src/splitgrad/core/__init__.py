@@ -7,15 +7,18 @@ class with its public extension points, and the whole-model helpers.
 * :mod:`~splitgrad.core.split_module`, :mod:`~splitgrad.core.routing`: :class:`SplitModule` and where one
   backward sends each weight gradient;
 * :mod:`~splitgrad.core.whole_model`: drain, count, guard, discard and switch over a module tree.
+
+``__all__`` is what layer authors and consumers use. The pieces other splitgrad packages build on
+(``store.WgradClaim``, ``bundle.active_bundle``, ``routing.wgrad_route``) are imported from their submodules.
 """
 
 from __future__ import annotations
 
-from .bundle import WgradBundle, active_bundle, capture_wgrad
+from .bundle import WgradBundle, capture_wgrad
 from .contract import SplitCapable, is_split_capable
-from .routing import WgradRoute, split_backward, wgrad_route
+from .routing import split_backward
 from .split_module import SplitModule
-from .store import Outstanding, WeightGradStore, WgradClaim, WgradHooks
+from .store import Outstanding, WeightGradStore, WgradHooks
 from .task import WgradTask
 from .whole_model import (
     backward_dw,
@@ -35,11 +38,8 @@ __all__ = [
     "SplitModule",
     "WeightGradStore",
     "WgradBundle",
-    "WgradClaim",
     "WgradHooks",
-    "WgradRoute",
     "WgradTask",
-    "active_bundle",
     "backward_dw",
     "capture_wgrad",
     "discard_wgrad",
@@ -52,5 +52,4 @@ __all__ = [
     "set_delay_wgrad_compute",
     "split_backward",
     "split_modules",
-    "wgrad_route",
 ]

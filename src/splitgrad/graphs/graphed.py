@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..core import WeightGradStore, WgradClaim
+from ..core import WeightGradStore
+from ..core.store import WgradClaim
 from .backend import Graph
 from .targets import GradTarget
 

@@ -6,7 +6,9 @@ functions ``list[op] -> list[op]``, a drop-in ``Sequential``) with splitgrad's s
 ``get_backward_dw_params`` on ``BasicLinear``, ``GroupedLinear``, ``Linear`` and ``Sequential``.
 
 The built-in fused ops and fusion functions are in :mod:`splitgrad.ops.fused` (``ops.default_fusions()`` is
-the registry of them).
+the registry of them). A fusion function is any ``list[op] -> list[op]`` registered in a
+:class:`FusionRegistry`; the fuser that runs a group of ops as one autograd Function
+(:class:`splitgrad.ops.fuser.OperationFuser`) is an internal of :class:`Sequential`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .basic import (
     SwiGLU,
 )
 from .fused import default_fusions
-from .fuser import FusionFn, FusionRegistry, OperationFuser
+from .fuser import FusionRegistry
 from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential, WgradHookHandles
@@ -39,13 +41,11 @@ __all__ = [
     "Bias",
     "FusedOperation",
     "FusibleOperation",
-    "FusionFn",
     "FusionRegistry",
     "GroupedLinear",
     "LayerNorm",
     "Linear",
     "OperationContext",
-    "OperationFuser",
     "RMSNorm",
     "ReLU",
     "Sequential",

@@ -20,7 +20,7 @@ import time
 
 from torch import nn
 
-from ...core import active_bundle
+from ...core.bundle import active_bundle
 
 __all__ = ["run_expert_wgrad"]
 

@@ -66,10 +66,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import splitgrad
-from splitgrad.pipeline.build import build_runtime
-from splitgrad.pipeline.measure import gather_events, measured_bubble_ratio, simulate_measured
-from splitgrad.pipeline.replay import overhead_split, replay_measured
-from splitgrad.pipeline.timeline import TimelineEvent
+from splitgrad.pipeline.runtime import build_runtime
+from splitgrad.pipeline.runtime.recording import gather_events
+from splitgrad.pipeline.timeline import (
+    TimelineEvent,
+    measured_bubble_ratio,
+    overhead_split,
+    replay_measured,
+    simulate_measured,
+)
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import SpawnError, spawn
 

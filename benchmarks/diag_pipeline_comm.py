@@ -5,8 +5,8 @@ model and data of ``bench_pipeline.py``, 2-D activations or with ``--3d`` 3-D; o
 ``benchmarks/_netns.py``).
 
 Wall-clock waits on a loaded machine mix transport with a producer that was simply late (descheduled), so
-besides the measured and simulated bubbles and :func:`~splitgrad.pipeline.measure.idle_breakdown`, each
-receive of the last step is split using the per-step :class:`~splitgrad.pipeline.comm_stats.CommStats` of
+besides the measured and simulated bubbles and :func:`~splitgrad.pipeline.timeline.idle_breakdown`, each
+receive of the last step is split using the per-step :class:`~splitgrad.pipeline.runtime.comm.CommStats` of
 both ranks (``time.perf_counter`` is one clock for every process of a host):
 
 * ``lead``: how long before its action needed it the receive was posted (0: posted at the need);
@@ -39,9 +39,15 @@ import torch.nn.functional as F
 
 from _schedstat import HandlerRunQueue
 from bench_pipeline import BenchConfig, batch, cut
-from splitgrad.pipeline.build import build_runtime
-from splitgrad.pipeline.measure import gather_events, idle_breakdown, measured_bubble_ratio, simulate_measured
-from splitgrad.pipeline.replay import overhead_split, replay_measured
+from splitgrad.pipeline.runtime import build_runtime
+from splitgrad.pipeline.runtime.recording import gather_events
+from splitgrad.pipeline.timeline import (
+    idle_breakdown,
+    measured_bubble_ratio,
+    overhead_split,
+    replay_measured,
+    simulate_measured,
+)
 from splitgrad.testing import spawn
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import splitgrad.pipeline as pipeline
-from splitgrad.pipeline import actions, passes, schedules, timeline
+from splitgrad.pipeline import ir, passes, runtime, schedules, timeline
 
 TARGET = {
     "Schedule", "Action", "ActionKind", "ScheduleError", "build_schedule", "validate", "simulate",
@@ -27,12 +27,16 @@ def test_the_public_names_are_the_twelve():
 @pytest.mark.parametrize(
     ("name", "home"),
     [
-        ("parse_action", actions),
-        ("OverlapAction", actions),
+        ("parse_action", ir),
+        ("OverlapAction", ir),
+        ("find_problems", ir),
         ("add_grad_sync", passes),
         ("zb_h1", schedules),
         ("schedule_names", schedules),
         ("write_chrome_trace", timeline),
+        ("idle_breakdown", timeline),
+        ("SCHEDULES", schedules.registry),
+        ("sequential_stages", runtime),
     ],
 )
 def test_moved_names_warn_and_resolve_to_their_home(name, home):

@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline._comm_plan import MessagePlan, plan_messages
-from splitgrad.pipeline._comm_state import message_key
-from splitgrad.pipeline.actions import Schedule
+from splitgrad.pipeline.ir import Schedule
+from splitgrad.pipeline.runtime.comm._plan import MessagePlan, plan_messages
+from splitgrad.pipeline.runtime.comm._state import message_key
 
 #: (name, n_stages, n_microbatches): one and two stages per rank, overlapped F+B actions (dualpipev).
 SCHEDULES = [("1f1b", 2, 4), ("zb-h1", 3, 6), ("zbv", 4, 4), ("interleaved-1f1b", 4, 4), ("dualpipev", 4, 6)]

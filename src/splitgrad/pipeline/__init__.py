@@ -26,14 +26,13 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING
 
-from .actions import Action, ActionKind, Schedule, ScheduleError
+from .ir.actions import Action, ActionKind, Schedule, ScheduleError
+from .ir.simulate import SimulationResult, simulate
+from .ir.validate import validate
 from .schedules import build_schedule
-from .simulate import SimulationResult, simulate
-from .validate import validate
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy runtime names as ordinary imports
-    from .build import build_runtime, pipeline_groups
-    from .runtime import PipelineRuntime, StepResult
+    from .runtime import PipelineRuntime, StepResult, build_runtime, pipeline_groups
 
 __all__ = [
     "Action",
@@ -51,60 +50,37 @@ __all__ = [
 ]
 
 # The runtime (torch.distributed) loads on first use, so the schedule tools above stay light.
-_RUNTIME = {
-    "PipelineRuntime": "runtime",
-    "StepResult": "runtime",
-    "build_runtime": "build",
-    "pipeline_groups": "build",
-}
+_RUNTIME = ("PipelineRuntime", "StepResult", "build_runtime", "pipeline_groups")
 
-# Names this package exported before issue 12 trimmed it, and where they live now. They keep working for a
-# while, with a DeprecationWarning naming the new import.
+# Names this package exported before issue 12 trimmed it, by the module they live in now (issue 24 moved those
+# modules into the ir/, passes/, timeline/ and runtime/ rooms). They keep working for a while, with a
+# DeprecationWarning naming the new import.
 _MOVED = {
-    **dict.fromkeys(
-        ("COMPUTE_KINDS", "SYNC_KINDS", "AnyAction", "OverlapAction", "Transfer", "parse_action"), "actions"
-    ),
-    **dict.fromkeys(("add_grad_sync", "has_grad_sync", "strip_grad_sync"), "passes"),
-    **dict.fromkeys(
+    name: home
+    for home, names in (
+        ("ir", "COMPUTE_KINDS SYNC_KINDS AnyAction OverlapAction Transfer parse_action"),
+        ("ir", "channel_order_problems find_problems render_listing"),
+        ("passes", "add_grad_sync has_grad_sync strip_grad_sync"),
         (
-            "AutoCandidate",
-            "auto_candidates",
-            "dualpipev",
-            "gpipe",
-            "greedy_schedule",
-            "interleaved_1f1b",
-            "one_f_one_b",
-            "schedule_names",
-            "schedule_options",
-            "zb_auto",
-            "zb_h1",
-            "zb_h2",
-            "zbv",
+            "schedules",
+            "AutoCandidate auto_candidates dualpipev gpipe greedy_schedule interleaved_1f1b one_f_one_b "
+            "schedule_names schedule_options zb_auto zb_h1 zb_h2 zbv",
         ),
-        "schedules",
-    ),
-    **dict.fromkeys(
-        ("TimelineEvent", "render_ascii", "save_png", "to_chrome_trace", "write_chrome_trace"), "timeline"
-    ),
-    **dict.fromkeys(("channel_order_problems", "find_problems", "render_listing"), "validate"),
-    "SCHEDULES": "schedules.registry",
-    **dict.fromkeys(("PipelineGroups", "sequential_stages"), "build"),
-    **dict.fromkeys(
+        ("schedules.registry", "SCHEDULES"),
+        ("timeline", "TimelineEvent render_ascii save_png to_chrome_trace write_chrome_trace"),
         (
-            "idle_breakdown",
-            "bubble_report",
-            "measured_bubble_ratio",
-            "save_measured_timeline",
-            "simulate_measured",
+            "timeline",
+            "idle_breakdown bubble_report measured_bubble_ratio save_measured_timeline simulate_measured",
         ),
-        "measure",
-    ),
+        ("runtime", "PipelineGroups sequential_stages"),
+    )
+    for name in names.split()
 }
 
 
 def __getattr__(name: str) -> object:
     if name in _RUNTIME:
-        return getattr(importlib.import_module(f"{__name__}.{_RUNTIME[name]}"), name)
+        return getattr(importlib.import_module(f"{__name__}.runtime"), name)
     if name in _MOVED:
         where = f"{__name__}.{_MOVED[name]}"
         warnings.warn(

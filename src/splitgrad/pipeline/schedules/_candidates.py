@@ -11,8 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..actions import Schedule
-from ..simulate import Costs, SimulationResult, simulate
+from ..ir.actions import Schedule
+from ..ir.simulate import Costs, SimulationResult, simulate
 
 __all__ = ["Candidate", "CandidatePool"]
 

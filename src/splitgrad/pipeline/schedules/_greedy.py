@@ -13,7 +13,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from ..actions import Action, ActionKind
+from ..ir.actions import Action, ActionKind
 
 __all__ = ["PassState"]
 

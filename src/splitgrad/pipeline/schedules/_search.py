@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..actions import Schedule
+from ..ir.actions import Schedule
 from ._candidates import Candidate, CandidatePool
 
 __all__ = ["GreedySearch"]

@@ -30,10 +30,10 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
-from .._coerce import per_rank_memory_limits
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
-from ..simulate import Costs, check_w_memory, stage_costs
+from ..ir._coerce import per_rank_memory_limits
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
+from ..ir.simulate import Costs, check_w_memory, stage_costs
 from ._candidates import Candidate, CandidatePool, pick_best, spans_key
 from ._common import check_choice, check_positive_int, loop_mapping
 from ._greedy import PassState

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from .._coerce import normalize_schedule_args
-from ..actions import Schedule
+from ..ir._coerce import normalize_schedule_args
+from ..ir.actions import Schedule
 from .auto import zb_auto
 from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b

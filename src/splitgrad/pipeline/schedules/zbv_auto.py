@@ -17,7 +17,7 @@ way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it pick
 
 :func:`zbv_auto` runs this for several in-flight depths, fill rules and priorities, adds the fixed ``zbv``,
 then re-places the ``W`` of the best few plans' cool-downs (and of the fixed V throughout) with
-:func:`~splitgrad.pipeline.schedules.w_refill.refill_w`: in the paper's settings the fixed V loses its bubble
+:func:`~splitgrad.pipeline.passes.refill_w`: in the paper's settings the fixed V loses its bubble
 at the end, where it runs a ``W`` while an input gradient other ranks wait for is ready. Every candidate is
 simulated under the given costs and memory model and the best is returned (shortest longest-rank span, then
 makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits the memory limit (it
@@ -32,15 +32,15 @@ import logging
 import math
 from collections.abc import Sequence
 
-from .._coerce import as_cost, per_rank_memory_limits
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
-from ..simulate import Costs, check_w_memory, stage_costs
+from ..ir._coerce import as_cost, per_rank_memory_limits
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
+from ..ir.simulate import Costs, check_w_memory, stage_costs
+from ..passes.w_refill import refill_w
 from ._candidates import Candidate, CandidatePool, pick_best
 from ._common import check_choice, check_v_shape, v_mapping
 from ._greedy import PassState
 from ._search import GreedySearch
-from .w_refill import refill_w
 from .zbv import zbv
 
 __all__ = ["ZbvCandidate", "zbv_auto", "zbv_auto_candidates", "zbv_greedy"]

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.group_ref import GroupRef
-from .actions import Schedule
+from ...parallel.group_ref import GroupRef
+from ..ir.actions import Schedule
 from .executor import LossFn
-from .runtime import PipelineRuntime, resolve_pipeline_rank
+from .pipeline_runtime import PipelineRuntime, resolve_pipeline_rank
 
 if TYPE_CHECKING:
-    from ..parallel.config import DDPConfig
+    from ...parallel.config import DDPConfig
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 
@@ -140,7 +140,7 @@ def build_runtime(
             ``n_microbatches`` is required and ``n_stages = len(stages)``). ``"zb-auto"`` without costs in
             ``schedule_options`` (or ``"auto"``) is profile-guided: the first steps run 1F1B with split
             backward and are measured, then zb-auto plans with the measured costs and memory
-            (:mod:`splitgrad.pipeline.autoplan`; ``runtime.planner.plan`` says what it found). Its
+            (:mod:`splitgrad.pipeline.runtime.autoplan`; ``runtime.planner.plan`` says what it found). Its
             ``schedule_options``: ``memory_budget`` (1F1B-equivalents, default 1.0) or ``memory_budget_bytes``,
             and ``profile_steps`` (default 1).
         loss_fn: see :class:`PipelineRuntime`.
@@ -183,7 +183,7 @@ def build_runtime(
     if isinstance(schedule, str):
         if n_microbatches is None:
             raise ValueError(f"build_runtime: schedule {schedule!r} given by name needs n_microbatches")
-        from .schedules import build_schedule
+        from ..schedules import build_schedule
 
         schedule = build_schedule(schedule, len(stages), n_microbatches, **(schedule_options or {}))
     elif schedule_options:
@@ -199,7 +199,7 @@ def build_runtime(
     )
     mine: dict[int, nn.Module] = {s: stages[s] for s in schedule.stages_of(rank)}
     if dp_group is not None:
-        from ..parallel import DistributedDataParallel
+        from ...parallel import DistributedDataParallel
 
         mine = {s: DistributedDataParallel(m, process_group=dp_group, config=ddp) for s, m in mine.items()}
     elif ddp is not None:

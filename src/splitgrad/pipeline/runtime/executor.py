@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import WgradBundle, capture_wgrad
-from .measure import ActivationMeter
+from ...core import WgradBundle, capture_wgrad
+from .recording import ActivationMeter
 
 __all__ = ["StageExecutor", "split_microbatches"]
 

@@ -28,13 +28,18 @@ from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._coerce import as_cost, as_costs
 from ._engine import run_engine
 from ._perf import gc_paused
 from .actions import ActionKind, OverlapAction, Schedule
-from .timeline import TimelineEvent, render_ascii, save_png, to_chrome_trace
+
+if TYPE_CHECKING:
+    from ..timeline.events import TimelineEvent
+
+# The timeline room builds on this module (it simulates measured costs), so the events and renderers a result
+# hands its timeline to are imported where they are used, once both rooms have loaded.
 
 __all__ = ["Costs", "SimulationResult", "check_w_memory", "simulate", "stage_costs"]
 
@@ -121,6 +126,8 @@ class SimulationResult:
     def events(self) -> list[TimelineEvent]:
         """One :class:`TimelineEvent` per action, plus one ``"comm"`` event per cross-rank transfer when
         ``comm > 0`` (drawn on the receiving rank, from the producer's end to the arrival)."""
+        from ..timeline.events import TimelineEvent
+
         sched = self.schedule
         out: list[TimelineEvent] = []
         produced: dict[tuple[int, int, bool], float] = {}
@@ -144,16 +151,22 @@ class SimulationResult:
         """ASCII grid of the timeline; keyword arguments go to :func:`~splitgrad.pipeline.timeline.render_ascii`."""
         kwargs.setdefault("n_ranks", self.schedule.n_ranks)
         kwargs.setdefault("compact", self.schedule.n_stages == self.schedule.n_ranks)
+        from ..timeline.render import render_ascii
+
         return render_ascii(self.events(), **kwargs)
 
     def to_chrome_trace(self, **kwargs: Any) -> dict[str, Any]:
         """Chrome-trace / Perfetto JSON object; see :func:`~splitgrad.pipeline.timeline.to_chrome_trace`."""
+        from ..timeline.render import to_chrome_trace
+
         return to_chrome_trace(self.events(), **kwargs)
 
     def save_png(self, path: str | Path, **kwargs: Any) -> Path:
         """Gantt chart PNG (needs matplotlib); the title carries the bubble ratio."""
         kwargs.setdefault("title", self.title())
         kwargs.setdefault("n_ranks", self.schedule.n_ranks)
+        from ..timeline.render import save_png
+
         return save_png(self.events(), path, **kwargs)
 
     def title(self) -> str:

@@ -1,9 +1,9 @@
 """Point-to-point transport of a pipeline runtime: activations forward, input gradients backward.
 
-One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.actions.Transfer` of a
+One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.ir.Transfer` of a
 :class:`~splitgrad.pipeline.Schedule` over ``torch.distributed`` (``batch_isend_irecv``: gloo on CPU, NCCL on
 accelerators). Rules, all derived from the schedule so both ends agree without talking (what the schedule
-implies for this rank's messages is computed once, in ``_comm_plan.py``):
+implies for this rank's messages is computed once, in ``_plan.py``):
 
 * **Order.** A receiver posts its receives from a peer in the order that peer *sends* (its action order),
   buffering messages it does not need yet. Transports that pair messages by posting order (NCCL) therefore
@@ -37,12 +37,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel.group_ref import GroupRef
-from ._comm_plan import plan_messages
-from ._comm_state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
+from ....parallel.group_ref import GroupRef
+from ...ir.actions import Action, Schedule, Transfer
 from ._header import HEADER_LEN, decode_header, encode_header
-from .actions import Action, Schedule, Transfer
-from .comm_stats import CommStats, ReceiveRecord
+from ._plan import plan_messages
+from ._state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
+from .stats import CommStats, ReceiveRecord
 
 __all__ = ["PipelineComm"]
 
@@ -94,7 +94,7 @@ class PipelineComm:
         self._known_out: dict[Channel, Meta] = {}
         self._known_in: dict[Channel, Meta] = {}
         self._state = StepState()
-        #: What the last completed step's messages did (:class:`~splitgrad.pipeline.comm_stats.CommStats`).
+        #: What the last completed step's messages did (:class:`~splitgrad.pipeline.runtime.comm.CommStats`).
         self.last_stats: CommStats | None = None
 
     @property

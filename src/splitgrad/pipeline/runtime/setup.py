@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .actions import Schedule
-from .comm_stats import CommStats
-from .timeline import TimelineEvent
+from ..ir.actions import Schedule
+from ..timeline.events import TimelineEvent
+from .comm.stats import CommStats
 
 __all__ = ["StepResult", "own_stages", "resolve_pipeline_rank"]
 
@@ -31,7 +31,7 @@ class StepResult:
     """This rank's measured events (seconds since the step's common origin); empty when not recording."""
     peak_activation_bytes: int | None = None
     """With ``track_memory``: peak activation bytes this rank held: what autograd saved in each forward until
-    its ``B``, then exactly the wgrad operands parked for its ``W`` (see :class:`~.measure.ActivationMeter`)."""
+    its ``B``, then exactly the wgrad operands parked for its ``W`` (see :class:`~.recording.ActivationMeter`)."""
     duration: float = 0.0
     """Seconds from the step origin until this rank's sends were delivered and its data-parallel reductions
     finished (the loss broadcast not included)."""

@@ -1,12 +1,12 @@
 """Run a :class:`~splitgrad.pipeline.Schedule` on torch.distributed: each rank interprets its action list.
 
 The runtime only interprets; schedules are data built elsewhere. For each action of this rank it receives
-what the action needs (:class:`~splitgrad.pipeline.comm.PipelineComm`), computes it
-(:class:`~splitgrad.pipeline.executor.StageExecutor`: ``F``, ``B`` with the weight-gradient work parked in a
+what the action needs (:class:`~splitgrad.pipeline.runtime.comm.PipelineComm`), computes it
+(:class:`~splitgrad.pipeline.runtime.executor.StageExecutor`: ``F``, ``B`` with the weight-gradient work parked in a
 capture bundle, ``W`` running exactly that bundle, ``BW``), times it
-(:class:`~splitgrad.pipeline.measure.TimelineRecorder`) and queues what it produces for the next rank.
+(:class:`~splitgrad.pipeline.runtime.recording.TimelineRecorder`) and queues what it produces for the next rank.
 
-Every action reaches its handler through one table (kind -> handler, :mod:`~splitgrad.pipeline.handlers`), so a
+Every action reaches its handler through one table (kind -> handler, :mod:`~splitgrad.pipeline.runtime.handlers`), so a
 new kind touches the IR, the simulator and one handler. Receives are posted ahead: the receives of the next
 ``prefetch_depth`` actions are posted before the current one computes (their buffers allocated from the
 channel shapes agreed on the first step), so a peer's send moves while this rank computes. Data parallelism composes per stage, driven by the schedule's gradient-sync points
@@ -29,24 +29,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import ensure_no_pending_wgrad
-from ..core.profiling import profiler_active
-from ..parallel.group_ref import GroupRef
-from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
+from ...core import ensure_no_pending_wgrad
+from ...core.profiling import profiler_active
+from ...parallel.group_ref import GroupRef
+from ..ir.actions import Action, ActionKind, AnyAction, Schedule, Transfer
+from ..ir.validate import validate
+from ..passes import add_grad_sync, has_grad_sync
+from ..timeline.events import TimelineEvent
+from ..timeline.report import bubble_report, save_measured_timeline
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches
 from .handlers import Handler, default_handlers
-from .measure import (
-    ActivationMeter,
-    TimelineRecorder,
-    bubble_report,
-    gather_events,
-    save_measured_timeline,
-)
-from .passes import add_grad_sync, has_grad_sync
-from .runtime_setup import StepResult, own_stages, resolve_pipeline_rank
-from .timeline import TimelineEvent
-from .validate import validate
+from .recording import ActivationMeter, TimelineRecorder, gather_events
+from .setup import StepResult, own_stages, resolve_pipeline_rank
 
 __all__ = ["PipelineRuntime", "StepResult", "resolve_pipeline_rank"]
 
@@ -154,7 +149,7 @@ class PipelineRuntime:
         self.prefetch_depth = prefetch_depth
         self.comm: PipelineComm | None = None
         #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
-        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.autoplan.ProfileGuidedPlanner`).
+        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.runtime.autoplan.ProfileGuidedPlanner`).
         self.planner: Any = None
         self.install_schedule(schedule, check=False)
         # One handler per action kind: the runtime interprets the schedule and decides nothing itself.

@@ -11,7 +11,7 @@ Checks, in order (later ones only run when earlier ones pass):
    or ``BW`` exactly once (parts of overlapped ``F+B`` actions count); per stage at most one gradient-sync
    point of each kind, ``R`` after the stage's last ``F`` and ``RF`` after all its compute and its ``R``;
 3. order and deadlock: the schedule runs to the end under the blocking model of
-   :mod:`splitgrad.pipeline.simulate` (receives block, sends are asynchronous). This covers ``F`` before
+   :mod:`splitgrad.pipeline.ir.simulate` (receives block, sends are asynchronous). This covers ``F`` before
    ``B`` before ``W``, stage order across ranks, and cycles of ranks waiting on each other;
 4. optionally (``ordered_channels=True``), for runtimes whose transport matches messages between two ranks
    in posting order (NCCL ignores tags): each rank sends to a peer in the same order the peer receives.

@@ -1,9 +1,9 @@
 """What a :class:`~splitgrad.pipeline.PipelineRuntime` does for each action kind: one handler per kind.
 
 A handler is ``handler(runtime, action, received)``: ``received`` maps each
-:class:`~splitgrad.pipeline.actions.Transfer` the action needed to the tensor that arrived (the runtime has
+:class:`~splitgrad.pipeline.ir.Transfer` the action needed to the tensor that arrived (the runtime has
 already waited for them). Compute kinds run through the runtime's
-:class:`~splitgrad.pipeline.executor.StageExecutor` inside the ``no_sync()`` of data-parallel stages whose
+:class:`~splitgrad.pipeline.runtime.executor.StageExecutor` inside the ``no_sync()`` of data-parallel stages whose
 ``R`` point has not run yet, then queue what they produced for the next rank (or hand it over locally);
 ``R``/``RF`` open and finish a stage's gradient reduction. A new action kind touches the IR, the simulator
 and one entry of :func:`default_handlers`.
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .actions import Action, ActionKind, AnyAction, Transfer
+from ..ir.actions import Action, ActionKind, AnyAction, Transfer
 
 if TYPE_CHECKING:
-    from .runtime import PipelineRuntime
+    from .pipeline_runtime import PipelineRuntime
 
 __all__ = ["Handler", "default_handlers"]
 

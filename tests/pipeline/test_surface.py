@@ -7,6 +7,9 @@ is reachable there.
 
 from __future__ import annotations
 
+import importlib
+import types
+
 import pytest
 
 import splitgrad.pipeline as pipeline
@@ -49,3 +52,31 @@ def test_unknown_names_still_raise():
     with pytest.raises(AttributeError, match="no attribute 'zb_h3'"):
         pipeline.zb_h3  # noqa: B018
     assert "SCHEDULES" not in schedules.__all__  # one way to list schedules: schedule_names()
+
+
+@pytest.mark.parametrize(
+    ("old", "home"),
+    [
+        ("splitgrad.pipeline.actions", "splitgrad.pipeline.ir.actions"),
+        ("splitgrad.pipeline.validate", "splitgrad.pipeline.ir.validate"),
+        ("splitgrad.pipeline.simulate", "splitgrad.pipeline.ir.simulate"),
+        ("splitgrad.pipeline.build", "splitgrad.pipeline.runtime.build"),
+        ("splitgrad.pipeline.measure", "splitgrad.pipeline.timeline"),
+    ],
+)
+def test_documented_module_paths_are_aliases_of_the_new_homes(old, home):
+    """The module paths documented before issue 24 still import, and hand out the new homes' objects."""
+    alias, new = importlib.import_module(old), importlib.import_module(home)
+    shared = [name for name in alias.__all__ if hasattr(new, name)]
+    assert shared and all(getattr(alias, name) is getattr(new, name) for name in shared)
+    # Importing a module named like one of the package's functions leaves the function in place.
+    assert callable(pipeline.simulate) and not isinstance(pipeline.simulate, types.ModuleType)
+    assert callable(pipeline.validate) and not isinstance(pipeline.validate, types.ModuleType)
+
+
+def test_measure_keeps_both_halves():
+    from splitgrad.pipeline import measure
+    from splitgrad.pipeline.runtime import recording
+
+    assert measure.TimelineRecorder is recording.TimelineRecorder
+    assert measure.idle_breakdown is timeline.idle_breakdown

@@ -23,9 +23,10 @@ HEAVY = ("torch", "matplotlib", "numpy")
 
 
 def torch_free_modules() -> list[str]:
-    """Every module under the torch-free rooms, the ``splitgrad.pipeline`` package, and the CLI that draws
-    schedules."""
+    """Every module under the torch-free rooms, the ``splitgrad.pipeline`` package with the public aliases of
+    ir modules at its top, and the CLI that draws schedules."""
     found = ["splitgrad.pipeline", "splitgrad.cli.schedule"]
+    found += [f"splitgrad.pipeline.{alias}" for alias in ("actions", "simulate", "validate")]
     for room in TORCH_FREE_ROOMS:
         for path in sorted((SRC / "pipeline" / room).rglob("*.py")):
             parts = path.relative_to(SRC.parent).with_suffix("").parts

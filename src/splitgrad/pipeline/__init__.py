@@ -13,11 +13,14 @@ Typical use::
     print(result.bubble_ratio, result.peak_activations)
     print(result.to_ascii())
 
-The rest lives in its submodule: the action grammar and overlapped pairs in :mod:`~splitgrad.pipeline.actions`
-(``parse_action``, ``OverlapAction``), builders and the name list in :mod:`~splitgrad.pipeline.schedules`
-(``zb_h1``, ``schedule_names()``), passes in :mod:`~splitgrad.pipeline.passes` (``add_grad_sync``), renderers
-in :mod:`~splitgrad.pipeline.timeline`, diagnostics in :mod:`~splitgrad.pipeline.validate`, measurement in
-:mod:`~splitgrad.pipeline.measure`.
+The rest lives in its room: the action grammar, overlapped pairs, diagnostics and the simulator in
+:mod:`~splitgrad.pipeline.ir` (``parse_action``, ``OverlapAction``, ``find_problems``), builders and the name
+list in :mod:`~splitgrad.pipeline.schedules` (``zb_h1``, ``schedule_names()``), passes in
+:mod:`~splitgrad.pipeline.passes` (``add_grad_sync``, ``fuse_overlap_pairs``), renderers and measured-vs-simulated
+analysis in :mod:`~splitgrad.pipeline.timeline`, and the torch.distributed runtime in
+:mod:`~splitgrad.pipeline.runtime`, the only room that imports torch. The module paths
+documented before (``splitgrad.pipeline.actions``, ``.validate``, ``.simulate``, ``.measure``, ``.build``) are
+kept as thin aliases of the new homes.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .ir.actions import Action, ActionKind, Schedule, ScheduleError
-from .ir.simulate import SimulationResult, simulate
-from .ir.validate import validate
 from .schedules import build_schedule
+
+# ``simulate`` and ``validate`` also name modules of this package (the public paths of ir.simulate and
+# ir.validate): importing the functions through them loads those modules now, so that a later ``import
+# splitgrad.pipeline.simulate`` finds them loaded and cannot rebind this package's ``simulate`` to the module.
+from .simulate import SimulationResult, simulate
+from .validate import validate
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy runtime names as ordinary imports
     from .runtime import PipelineRuntime, StepResult, build_runtime, pipeline_groups

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .build import PipelineGroups, build_runtime, pipeline_groups, sequential_stages
 from .pipeline_runtime import PipelineRuntime
-from .setup import StepResult
+from .result import StepResult
 
 __all__ = [
     "PipelineGroups",

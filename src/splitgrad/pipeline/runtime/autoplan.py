@@ -148,7 +148,7 @@ class ProfileGuidedPlanner:
             "comm": min(waits) if waits else 0.0,
         }
         gathered = [local]
-        if runtime._distributed:
+        if runtime.comm is not None:  # a multi-rank pipeline
             gathered = [None] * p
             dist.all_gather_object(gathered, local, group=runtime.pp_group)
         fc, bc, wc, mb, mw = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p

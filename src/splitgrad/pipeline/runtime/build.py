@@ -21,7 +21,8 @@ from torch import nn
 from ...parallel.group_ref import GroupRef
 from ..ir.actions import Schedule
 from .executor import LossFn
-from .pipeline_runtime import PipelineRuntime, resolve_pipeline_rank
+from .pipeline_runtime import PipelineRuntime
+from .setup import resolve_pipeline_rank
 
 if TYPE_CHECKING:
     from ...parallel.config import DDPConfig

@@ -1,27 +1,14 @@
 """Run a :class:`~splitgrad.pipeline.Schedule` on torch.distributed: each rank interprets its action list.
 
-The runtime only interprets; schedules are data built elsewhere. For each action of this rank it receives
-what the action needs (:class:`~splitgrad.pipeline.runtime.comm.PipelineComm`), computes it
-(:class:`~splitgrad.pipeline.runtime.executor.StageExecutor`: ``F``, ``B`` with the weight-gradient work parked in a
-capture bundle, ``W`` running exactly that bundle, ``BW``), times it
-(:class:`~splitgrad.pipeline.runtime.recording.TimelineRecorder`) and queues what it produces for the next rank.
-
-Every action reaches its handler through one table (kind -> handler, :mod:`~splitgrad.pipeline.runtime.handlers`), so a
-new kind touches the IR, the simulator and one handler. Receives are posted ahead: the receives of the next
-``prefetch_depth`` actions are posted before the current one computes (their buffers allocated from the
-channel shapes agreed on the first step), so a peer's send moves while this rank computes. Data parallelism composes per stage, driven by the schedule's gradient-sync points
-(:func:`splitgrad.pipeline.passes.add_grad_sync`, applied here when the schedule has none and a stage can sync): a
-stage module with ``no_sync()`` and ``finish_grad_sync()`` (a :class:`splitgrad.parallel.DistributedDataParallel`)
-runs its actions inside ``no_sync()`` until its ``R`` point, so each bucket starts reducing as soon as its last
-contribution (often a ``W``) has run, and ``finish_grad_sync()`` runs at its ``RF`` point.
+The runtime decides nothing: what it does is in the schedule, lowered before it runs (:mod:`~.setup`), and each
+action goes to its kind's handler (:mod:`~.interpreter`, :mod:`~.handlers`). This class holds the parts of one
+rank (stages, executor, transport, recorder) and runs steps.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +16,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...core import ensure_no_pending_wgrad
-from ...core.profiling import profiler_active
 from ...parallel.group_ref import GroupRef
-from ..ir.actions import Action, ActionKind, AnyAction, Schedule, Transfer
+from ..ir.actions import ActionKind, Schedule
 from ..ir.validate import validate
-from ..passes import add_grad_sync, has_grad_sync
 from ..timeline.events import TimelineEvent
-from ..timeline.report import bubble_report, save_measured_timeline
+from ..timeline.report import timeline_report
 from .comm import PipelineComm
-from .executor import LossFn, StageExecutor, split_microbatches
-from .handlers import Handler, default_handlers
+from .executor import LossFn, StageExecutor
+from .handlers import Handler, HandlerContext, default_handlers
+from .interpreter import Interpreter
 from .recording import ActivationMeter, TimelineRecorder, gather_events
-from .setup import StepResult, own_stages, resolve_pipeline_rank
+from .result import StepResult, mean_loss
+from .setup import check_same_layout, lower_schedule, resolve_pipeline_rank
+from .stages import LocalStages
 
-__all__ = ["PipelineRuntime", "StepResult", "resolve_pipeline_rank"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["PipelineRuntime"]
 
 
 class PipelineRuntime:
@@ -59,13 +44,13 @@ class PipelineRuntime:
         optimizer.step()
 
     Args:
-        stages: the model stages this rank runs: a mapping ``{stage index: module}``, the list of *all* stages
-            of the model in order (this rank keeps its own), or the list of exactly this rank's stages in
-            ascending order. Each module maps one tensor to one tensor (any shape, e.g. ``(batch, seq,
-            hidden)``); boundary tensors must be floating point. Build splitgrad layers with
-            ``delay_wgrad_compute=True`` for ``W`` to do any work.
+        stages: the model stages this rank runs: ``{stage index: module}``, *all* stages of the model in order
+            (this rank keeps its own), or exactly this rank's stages in ascending order. Each maps one tensor to
+            one (any shape, e.g. ``(batch, seq, hidden)``; floating point between stages). Build splitgrad
+            layers with ``delay_wgrad_compute=True`` for ``W`` to do any work.
         schedule: the schedule every rank runs (validated here). Without gradient-sync points it is lowered
-            with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a local stage can sync gradients;
+            with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a local stage can sync gradients
+            (``no_sync()`` and ``finish_grad_sync()``, e.g. :class:`splitgrad.parallel.DistributedDataParallel`);
             :attr:`schedule` is what runs.
         loss_fn: ``loss_fn(last stage output, target) -> scalar`` for one microbatch; the step's loss is the
             mean over microbatches (gradients are scaled by ``1 / n_microbatches``).
@@ -108,107 +93,58 @@ class PipelineRuntime:
             raise ValueError(f"PipelineRuntime: prefetch_depth must be an int >= 1, got {prefetch_depth=}")
         if check_schedule:
             validate(schedule)
-        distributed = dist.is_available() and dist.is_initialized()
-        rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
-        self.rank = rank
+        self.rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
         # Looked up at use, never held (parallel/group_ref.py): a runtime left in the user's globals must not
         # keep the group's gloo workers alive past destroy_process_group().
         self._pp_group = GroupRef(pp_group, owner="PipelineRuntime.pp_group")
-        self.loss_fn = loss_fn
-        self.timeout = float(timeout)
-        self.broadcast_loss = broadcast_loss
-        self.schedule = schedule
-        self.stages = own_stages(schedule, rank, stages)
-        # Data-parallel wrappers: every stage module that can hold back and finish its gradient reduction.
-        self.grad_sync = {
-            s: m
-            for s, m in self.stages.items()
-            if callable(getattr(m, "no_sync", None)) and callable(getattr(m, "finish_grad_sync", None))
-        }
-        self.first_stage, self.last_stage = 0, schedule.n_stages - 1
-        if device is None:
-            params = [p for m in self.stages.values() for p in m.parameters()]
-            device = params[0].device if params else torch.device("cpu")
-        self.device = torch.device(device)
-        self._distributed = distributed and schedule.n_ranks > 1
-        if self._distributed and prefetch is None:
+        self.loss_fn, self.timeout, self.broadcast_loss = loss_fn, float(timeout), broadcast_loss
+        self._local = LocalStages(schedule, self.rank, stages, device)
+        self.stages, self.grad_sync = self._local.modules, self._local.grad_sync
+        self.device = self._local.device
+        self.last_stage = schedule.n_stages - 1
+        self._distributed = dist.is_available() and dist.is_initialized() and schedule.n_ranks > 1
+        if prefetch is None and self._distributed:
             prefetch = dist.get_backend(pp_group) == "gloo"
-        self.recorder = TimelineRecorder(rank, enabled=record_timeline)
+        self._prefetch = bool(prefetch)
+        self.prefetch_depth = prefetch_depth
+        self.recorder = TimelineRecorder(self.rank, enabled=record_timeline)
+        self.executor = StageExecutor(
+            self.stages, n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches, loss_fn=loss_fn,
+            meter=ActivationMeter() if track_memory else None,
+        )  # fmt: skip
+        #: The kind -> handler table every action goes through (replace an entry to instrument one kind).
+        self.handlers: dict[ActionKind, Handler] = default_handlers()
+        #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
+        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.runtime.autoplan.ProfileGuidedPlanner`).
+        self.planner: Any = None
+        self.comm: PipelineComm | None = None
         # Set when a distributed step fails: receives it posted may still be pending in the backend and would
         # take the next step's messages, so the runtime refuses to run again.
         self._failed: str | None = None
         self._closed = False
-        self.executor = StageExecutor(
-            self.stages,
-            n_stages=schedule.n_stages,
-            n_microbatches=schedule.n_microbatches,
-            loss_fn=loss_fn,
-            meter=ActivationMeter() if track_memory else None,
-        )
-        self._prefetch = bool(prefetch)
-        self.prefetch_depth = prefetch_depth
-        self.comm: PipelineComm | None = None
-        #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
-        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.runtime.autoplan.ProfileGuidedPlanner`).
-        self.planner: Any = None
         self.install_schedule(schedule, check=False)
-        # One handler per action kind: the runtime interprets the schedule and decides nothing itself.
-        self._handlers: dict[ActionKind, Handler] = default_handlers()
-        self._sync_open: set[int] = set()
-        self._action_cpu = 0.0
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
         """Run ``schedule`` from the next step on (same stages and microbatch count; every rank must install
-        the same one before its next step). Lowers it with :func:`~splitgrad.pipeline.passes.add_grad_sync` when a
-        local stage syncs gradients and the schedule has no sync points.
+        the same one before its next step), lowered for this rank (:func:`~.setup.lower_schedule`).
 
         Raises:
             ValueError: another stage layout or microbatch count, or a syncing stage without an ``RF`` point.
         """
-        old = self.schedule
         if check:
             validate(schedule)
-            if (schedule.stage_to_rank, schedule.n_microbatches) != (old.stage_to_rank, old.n_microbatches):
-                raise ValueError(
-                    f"PipelineRuntime.install_schedule: {schedule.name!r} maps stages {schedule.stage_to_rank} "
-                    f"with {schedule.n_microbatches} microbatches; the runtime was built for "
-                    f"{old.stage_to_rank} with {old.n_microbatches}"
-                )
-        if self.grad_sync and not has_grad_sync(schedule):
-            schedule = add_grad_sync(schedule)
-        unsynced = [
-            s
-            for s in self.grad_sync
-            if Action(s, ActionKind.RF, None) not in schedule.rank_actions[self.rank]
-        ]
-        if unsynced:
-            raise ValueError(
-                f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
-                f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.passes.add_grad_sync"
-            )
-        self.schedule = schedule
-        self.actions = schedule.rank_actions[self.rank]
-        # What each action receives and its profiler range name, looked up once here instead of in every step.
-        self._receives = [schedule.receives(a) for a in self.actions]
-        self._names = [a.name for a in self.actions]
+            check_same_layout(self.schedule, schedule)
+        self.schedule = schedule = lower_schedule(schedule, self.rank, self.grad_sync)
         if self._distributed:
-            previous, self.comm = (
-                self.comm,
-                PipelineComm(
-                    schedule,
-                    self.rank,
-                    group=self.pp_group,
-                    device=self.device,
-                    timeout=self.timeout,
-                    prefetch=self._prefetch,
-                    on_wait=self.recorder.comm,
-                ),
-            )
-            # Same stage layout: both ends of every channel keep the shapes agreed so far.
-            if previous is not None and previous.schedule.stage_to_rank == schedule.stage_to_rank:
-                self.comm.keep_shapes_of(previous)
-
-    # -- the step ----------------------------------------------------------------------------------------
+            self.comm = PipelineComm(
+                schedule, self.rank, group=self.pp_group, device=self.device, timeout=self.timeout,
+                prefetch=self._prefetch, on_wait=self.recorder.comm, replaces=self.comm,
+            )  # fmt: skip
+        self._ctx = HandlerContext(schedule, self.executor, self.comm, self.grad_sync, self.recorder.comm)
+        self._interpreter = Interpreter(
+            schedule, self.rank, self._ctx, self.handlers, self.recorder, self.prefetch_depth
+        )
+        self.actions = self._interpreter.actions
 
     def step(self, inputs: Any = None, targets: Any = None) -> StepResult:
         """Run every action of this rank for one batch; gradients accumulate into the stages' parameters.
@@ -219,9 +155,6 @@ class PipelineRuntime:
                 Ignored on other ranks.
             targets: on the rank holding the last stage, the loss targets, in the same two forms. Ignored
                 elsewhere.
-
-        Returns:
-            A :class:`StepResult`.
 
         Raises:
             RuntimeError: a peer crashed or did not answer within ``timeout`` (naming it and the action), or
@@ -236,94 +169,41 @@ class PipelineRuntime:
                 "it posted may still be in flight, so this runtime cannot run again. Tear down the process "
                 "groups and build a new one"
             )
-        m = self.schedule.n_microbatches
-        holds_last = self.last_stage in self.stages
-        self.executor.begin(
-            split_microbatches(inputs, m, "inputs") if self.first_stage in self.stages else None,
-            split_microbatches(targets, m, "targets") if holds_last else None,
-        )
-        for s, module in self.stages.items():
-            ensure_no_pending_wgrad(module, what=f"the start of PipelineRuntime.step (stage {s})")
+        self.executor.begin_step(inputs, targets)
+        self._local.check_no_pending_wgrad("the start of PipelineRuntime.step")
         if self.comm is not None:
             self.comm.begin_step()
             if self.recorder.enabled:
-                self._barrier()
-        self._sync_open = set()
-        self._action_cpu = 0.0
+                self.comm.barrier()
         cpu_start = time.thread_time()
         self.recorder.start()
-        current: Action | None = None
         try:
-            if self.comm is not None:
-                for ahead in range(min(self.prefetch_depth, len(self.actions))):
-                    self._prefetch_for(ahead)
-            for j, action in enumerate(self.actions):
-                current = action
-                self._run(j, action)
-            current = None
+            self._interpreter.run()
             self.executor.check_complete(
                 f"PipelineRuntime (pipeline rank {self.rank}, {self.schedule.name!r})"
             )
             if self.comm is not None:
                 self.comm.finish_step()
-            duration = time.perf_counter() - self.recorder.t0
-            step_cpu = time.thread_time() - cpu_start
-            losses = [self.executor.losses[i] for i in range(m)] if holds_last else []
-            loss = self._step_loss(losses)
+            duration, step_cpu = time.perf_counter() - self.recorder.t0, time.thread_time() - cpu_start
+            losses = self.executor.step_losses()
+            loss = mean_loss(losses, self.device, self.comm if self.broadcast_loss else None, self.last_stage)
         except BaseException as exc:
             self.executor.abort()
             if self.comm is not None:
                 self.comm.abort()
-                self._failed = f"{type(exc).__name__} at action {current}"
-            if current is not None and hasattr(exc, "add_note"):
-                exc.add_note(
-                    f"while pipeline rank {self.rank} ran action {current} of schedule {self.schedule.name!r}"
-                )
+                self._failed = f"{type(exc).__name__} at action {self._interpreter.current}"
             raise
-        executor = self.executor
+        meter = self.executor.meter
         result = StepResult(
-            loss=loss,
-            microbatch_losses=losses,
-            events=list(self.recorder.events),
-            peak_activation_bytes=None if executor.meter is None else executor.meter.peak,
-            duration=duration,
-            w_tasks=executor.w_tasks,
+            loss=loss, microbatch_losses=losses, events=list(self.recorder.events), duration=duration,
+            peak_activation_bytes=None if meter is None else meter.peak, w_tasks=self.executor.w_tasks,
             comm=None if self.comm is None else self.comm.last_stats,
-            runtime_cpu=step_cpu - self._action_cpu,
-            action_cpu=self._action_cpu,
-        )
-        executor.begin(None, None)
+            runtime_cpu=step_cpu - self._interpreter.action_cpu, action_cpu=self._interpreter.action_cpu,
+        )  # fmt: skip
+        self.executor.begin(None, None)
         if self.planner is not None:
             self.planner.observe(self, result)
         return result
-
-    def _run(self, j: int, action: AnyAction) -> None:
-        received: dict[Transfer, torch.Tensor] = {}
-        comm = self.comm
-        if comm is not None:
-            incoming = self._receives[j]
-            for transfer in incoming:
-                received[transfer] = comm.receive(transfer, action)
-            if not incoming:
-                comm.flush(action)
-            # Post the receives that now enter the window only now, so that at most prefetch_depth actions'
-            # buffers are held (posting them before the wait above would hold one more during it).
-            if j + self.prefetch_depth < len(self.actions):
-                self._prefetch_for(j + self.prefetch_depth)
-        # The recorder's action() block, inlined (this runs once per action); the named profiler range only
-        # while a profiler records.
-        with torch.profiler.record_function(self._names[j]) if profiler_active() else nullcontext():
-            start, cpu = time.perf_counter(), time.thread_time()
-            self._handlers[action.kind](self, action, received)
-            self._action_cpu += time.thread_time() - cpu
-            end = time.perf_counter()
-        self.recorder.record(action, start, end)
-
-    def _prefetch_for(self, j: int) -> None:
-        """Post (without blocking) the receives of this rank's ``j``-th action."""
-        action = self.actions[j]
-        for transfer in self._receives[j]:
-            self.comm.prefetch(transfer, action)
 
     def reset_shapes(self) -> None:
         """Let the next step's boundary tensors have new shapes (every pipeline rank must call it).
@@ -334,39 +214,6 @@ class PipelineRuntime:
         """
         if self.comm is not None:
             self.comm.reset_shapes()
-
-    # -- collectives around the step ---------------------------------------------------------------------
-
-    def _collective(self, start: Callable[[], dist.Work], what: str) -> None:
-        """Start an asynchronous collective of the pipeline group and wait for it, bounded like every wait."""
-        try:
-            work = start()
-        except Exception as exc:
-            raise RuntimeError(
-                f"pipeline rank {self.rank}: could not start {what} (did a rank crash?): {exc}"
-            ) from exc
-        self.comm.wait(work, what)
-
-    def _barrier(self) -> None:
-        self._collective(
-            lambda: dist.barrier(group=self.pp_group, async_op=True),
-            "the other pipeline ranks to reach the step's start barrier",
-        )
-
-    def _step_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
-        mean = torch.stack(losses).to(torch.float64).mean().to(self.device) if losses else None
-        if not (self.broadcast_loss and self._distributed):
-            return mean
-        buf = mean if mean is not None else torch.zeros((), dtype=torch.float64, device=self.device)
-        src = self.schedule.rank_of(self.last_stage)
-        src_global = src if self.pp_group is None else dist.get_global_rank(self.pp_group, src)
-        self._collective(
-            lambda: dist.broadcast(buf, src=src_global, group=self.pp_group, async_op=True),
-            f"the step loss broadcast from rank {src}",
-        )
-        return buf
-
-    # -- teardown ----------------------------------------------------------------------------------------
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -386,12 +233,9 @@ class PipelineRuntime:
         self._closed = True
         if self.comm is not None:
             self.comm.abort()
-        self.comm = None
+        self.comm = self._ctx.comm = None
         self._pp_group = GroupRef(None, owner="PipelineRuntime.pp_group")
-        for module in self.stages.values():
-            close = getattr(module, "close", None)
-            if callable(close):
-                close()
+        self._local.close()
 
     def __enter__(self) -> PipelineRuntime:
         return self
@@ -401,20 +245,11 @@ class PipelineRuntime:
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once), e.g. for its optimizer."""
-        seen: dict[int, nn.Parameter] = {}
-        for module in self.stages.values():
-            for p in module.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        return self._local.parameters()
 
     def zero_grad(self) -> None:
         """Reset this rank's gradients: ``zero_grad_buffer()`` of data-parallel stages, else ``.grad = None``."""
-        for module in self.stages.values():
-            zero = getattr(module, "zero_grad_buffer", None)
-            if callable(zero):
-                zero()
-            else:
-                module.zero_grad(set_to_none=True)
+        self._local.zero_grad()
 
     def gather_timeline(self, result: StepResult, *, dst: int = 0) -> list[TimelineEvent] | None:
         """Merge every pipeline rank's events of ``result`` on rank ``dst`` (all ranks must call it)."""
@@ -426,17 +261,12 @@ class PipelineRuntime:
         self, result: StepResult, prefix: str | Path | None = None, *, dst: int = 0
     ) -> str | None:
         """Gather ``result``'s events; on rank ``dst`` return the measured-vs-simulated bubble line and, with
-        ``prefix``, write ``<prefix>.json`` (Perfetto) and ``<prefix>.png`` (Gantt). All ranks must call it.
+        ``prefix``, write ``<prefix>.json`` (Perfetto) and ``<prefix>.png`` (Gantt)
+        (:func:`splitgrad.pipeline.timeline.timeline_report`). All ranks must call it.
         """
         events = self.gather_timeline(result, dst=dst)
         if events is None:
             return None
-        if not any(e.is_compute for e in events):
-            raise ValueError("timeline_report: the step recorded no events (record_timeline=False?)")
-        if prefix is not None:
-            save_measured_timeline(events, self.schedule, prefix)
-        report = bubble_report(events, self.schedule)
         plan = getattr(self.planner, "plan", None)
-        if plan is not None and plan.schedule is self.schedule:
-            report += f"; planned {100 * plan.predicted_bubble:.1f}% from the profiled costs"
-        return report
+        predicted = plan.predicted_bubble if plan is not None and plan.schedule is self.schedule else None
+        return timeline_report(events, self.schedule, prefix, predicted_bubble=predicted)

@@ -1,52 +1,21 @@
-"""What a :class:`~splitgrad.pipeline.PipelineRuntime` is built from and what a step returns: this rank's place
-in the pipeline group, its stage modules, and :class:`StepResult`.
+"""A schedule made ready for one rank: the rank it runs in the pipeline group, and the schedule lowered for it.
+
+Both are decided before anything runs, from the schedule and the group alone, so that a schedule that does not
+fit fails on every rank at build time, naming the schedule and the sizes, never mid-step. Lowering adds what
+the runtime will do to the schedule as data: the gradient-sync points of the stages that reduce gradients
+(:func:`~splitgrad.pipeline.passes.add_grad_sync`), so the simulator, the timelines and the goldens see them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..ir.actions import Schedule
-from ..timeline.events import TimelineEvent
-from .comm.stats import CommStats
+from ..ir.actions import Action, ActionKind, Schedule
+from ..passes import add_grad_sync, has_grad_sync
 
-__all__ = ["StepResult", "own_stages", "resolve_pipeline_rank"]
-
-
-@dataclass(kw_only=True, slots=True)
-class StepResult:
-    """What one :meth:`PipelineRuntime.step` returns on one rank."""
-
-    loss: torch.Tensor | None
-    """Mean of the microbatch losses, a float64 0-dim tensor on the runtime's device; on every pipeline rank
-    with ``broadcast_loss`` (the default), else only on the last stage's rank (None elsewhere)."""
-    microbatch_losses: list[torch.Tensor] = field(default_factory=list)
-    """Per-microbatch losses (detached) on the last stage's rank; empty elsewhere."""
-    events: list[TimelineEvent] = field(default_factory=list)
-    """This rank's measured events (seconds since the step's common origin); empty when not recording."""
-    peak_activation_bytes: int | None = None
-    """With ``track_memory``: peak activation bytes this rank held: what autograd saved in each forward until
-    its ``B``, then exactly the wgrad operands parked for its ``W`` (see :class:`~.recording.ActivationMeter`)."""
-    duration: float = 0.0
-    """Seconds from the step origin until this rank's sends were delivered and its data-parallel reductions
-    finished (the loss broadcast not included)."""
-    w_tasks: int = 0
-    """Deferred weight-gradient tasks this rank's ``W`` actions ran (0 when nothing was split)."""
-    comm: CommStats | None = None
-    """How this rank's messages moved (when each receive was posted vs needed, headers, held buffer bytes);
-    None on a one-rank pipeline."""
-    runtime_cpu: float = 0.0
-    """CPU seconds (this thread's ``time.thread_time``) the step spent outside its actions' handlers: posting
-    and completing messages, the interpreter loop, timeline bookkeeping. Blocking waits use no CPU, so this is
-    the runtime's own per-step cost whatever the machine's load (divide by the rank's action count for the
-    cost per action)."""
-    action_cpu: float = 0.0
-    """CPU seconds inside the actions' handlers (compute, and queueing what they produced)."""
+__all__ = ["check_same_layout", "lower_schedule", "resolve_pipeline_rank"]
 
 
 def resolve_pipeline_rank(
@@ -110,34 +79,38 @@ def resolve_pipeline_rank(
     return rank
 
 
-def own_stages(
-    schedule: Schedule, rank: int, stages: Mapping[int, nn.Module] | Sequence[nn.Module]
-) -> dict[int, nn.Module]:
-    """``{stage: module}`` of the stages ``schedule`` gives ``rank``, from any form
-    :class:`~splitgrad.pipeline.PipelineRuntime` accepts (a mapping, all stages, or this rank's stages).
+def lower_schedule(schedule: Schedule, rank: int, syncing: Collection[int]) -> Schedule:
+    """``schedule`` as ``rank`` runs it: with every stage's gradient-sync points when a local stage reduces
+    gradients (``syncing``) and the schedule has none yet (:func:`~splitgrad.pipeline.passes.add_grad_sync`).
+
+    Args:
+        schedule: the schedule every rank runs.
+        rank: this rank.
+        syncing: this rank's stages with a data-parallel wrapper (``no_sync()`` / ``finish_grad_sync()``).
 
     Raises:
-        ValueError: the modules do not match the rank's stages. TypeError: a stage is not an ``nn.Module``.
+        ValueError: a syncing stage has no ``RF`` point in a schedule that already holds sync points.
     """
-    mine = schedule.stages_of(rank)
-    if isinstance(stages, Mapping):
-        owned = {int(k): v for k, v in stages.items()}
-    elif len(stages) == schedule.n_stages:
-        owned = {s: stages[s] for s in mine}
-    elif len(stages) == len(mine):
-        owned = dict(zip(mine, stages))
-    else:
+    if syncing and not has_grad_sync(schedule):
+        schedule = add_grad_sync(schedule)
+    unsynced = [s for s in syncing if Action(s, ActionKind.RF, None) not in schedule.rank_actions[rank]]
+    if unsynced:
         raise ValueError(
-            f"PipelineRuntime: got {len(stages)} stage modules; pass all {schedule.n_stages} stages of "
-            f"the model or the {len(mine)} this rank holds (stages {list(mine)} of schedule "
-            f"{schedule.name!r})"
+            f"PipelineRuntime: stages {unsynced} sync gradients (no_sync/finish_grad_sync) but schedule "
+            f"{schedule.name!r} has no RF point for them; lower it with splitgrad.pipeline.passes.add_grad_sync"
         )
-    if sorted(owned) != list(mine):
+    return schedule
+
+
+def check_same_layout(old: Schedule, new: Schedule) -> None:
+    """Raise unless ``new`` can replace ``old`` between steps: the same stage layout and microbatch count.
+
+    Raises:
+        ValueError: naming both layouts and microbatch counts.
+    """
+    if (new.stage_to_rank, new.n_microbatches) != (old.stage_to_rank, old.n_microbatches):
         raise ValueError(
-            f"PipelineRuntime: pipeline rank {rank} runs stages {list(mine)} of schedule "
-            f"{schedule.name!r}, got modules for stages {sorted(owned)}"
+            f"PipelineRuntime.install_schedule: {new.name!r} maps stages {new.stage_to_rank} with "
+            f"{new.n_microbatches} microbatches; the runtime was built for {old.stage_to_rank} with "
+            f"{old.n_microbatches}"
         )
-    bad = [s for s, m in owned.items() if not isinstance(m, nn.Module)]
-    if bad:
-        raise TypeError(f"PipelineRuntime: stages {bad} are not nn.Modules")
-    return owned

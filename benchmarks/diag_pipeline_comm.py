@@ -37,8 +37,8 @@ from dataclasses import asdict
 
 import torch.nn.functional as F
 
+from _pipeline_variants import BenchConfig, batch, cut
 from _schedstat import HandlerRunQueue
-from bench_pipeline import BenchConfig, batch, cut
 from splitgrad.pipeline.runtime import build_runtime
 from splitgrad.pipeline.runtime.recording import gather_events
 from splitgrad.pipeline.timeline import (

@@ -23,7 +23,7 @@ import time
 
 import torch.nn.functional as F
 
-from bench_pipeline import BenchConfig, batch, cut
+from _pipeline_variants import BenchConfig, batch, cut
 from splitgrad.pipeline.runtime import build_runtime
 from splitgrad.testing import spawn
 

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from splitgrad.pipeline import ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.ir import OverlapAction
+from splitgrad.pipeline.ir.actions import OverlapAction
 from splitgrad.pipeline.passes import add_grad_sync, default_lookahead, fuse_overlap_pairs
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 

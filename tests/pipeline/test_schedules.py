@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 
 from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.ir import channel_order_problems
+from splitgrad.pipeline.ir.validate import channel_order_problems
 from splitgrad.pipeline.schedules import schedule_names, schedule_options
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 

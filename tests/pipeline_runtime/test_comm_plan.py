@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline.ir import Schedule
+from splitgrad.pipeline.ir.actions import Schedule
 from splitgrad.pipeline.runtime.comm._plan import MessagePlan, plan_messages
 from splitgrad.pipeline.runtime.comm._state import message_key
 

@@ -65,8 +65,8 @@ _RUNTIME = ("PipelineRuntime", "StepResult", "build_runtime", "pipeline_groups")
 _MOVED = {
     name: home
     for home, names in (
-        ("ir", "COMPUTE_KINDS SYNC_KINDS AnyAction OverlapAction Transfer parse_action"),
-        ("ir", "channel_order_problems find_problems render_listing"),
+        ("ir.actions", "COMPUTE_KINDS SYNC_KINDS AnyAction OverlapAction Transfer parse_action"),
+        ("ir.validate", "channel_order_problems find_problems render_listing"),
         ("passes", "add_grad_sync has_grad_sync strip_grad_sync"),
         (
             "schedules",

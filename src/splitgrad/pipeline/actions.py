@@ -1,34 +1,14 @@
-"""Public path of the action grammar: ``splitgrad.pipeline.actions`` as documented before issue 24.
+"""Public path of the action grammar: ``splitgrad.pipeline.actions`` as documented before issue 24, now an alias.
 
-The module lives in :mod:`splitgrad.pipeline.ir.actions` (the IR room); this alias keeps ``from
-splitgrad.pipeline.actions import parse_action`` working for users and other packages' docs. New code imports
-from :mod:`splitgrad.pipeline.ir`.
+The module lives in :mod:`splitgrad.pipeline.ir.actions`. Importing this path hands out that module itself
+(``splitgrad.pipeline.actions is splitgrad.pipeline.ir.actions``), so the old imports keep working and can never
+drift from the new home. New code imports from the new home.
 """
 
 from __future__ import annotations
 
-from .ir.actions import (
-    COMPUTE_KINDS,
-    SYNC_KINDS,
-    Action,
-    ActionKind,
-    AnyAction,
-    OverlapAction,
-    Schedule,
-    ScheduleError,
-    Transfer,
-    parse_action,
-)
+import sys
 
-__all__ = [
-    "COMPUTE_KINDS",
-    "SYNC_KINDS",
-    "Action",
-    "ActionKind",
-    "AnyAction",
-    "OverlapAction",
-    "Schedule",
-    "ScheduleError",
-    "Transfer",
-    "parse_action",
-]
+from .ir import actions as _home
+
+sys.modules[__name__] = _home

@@ -1,13 +1,14 @@
-"""Public path of the runtime's builders: ``splitgrad.pipeline.build`` as documented before issue 24.
+"""Public path of the runtime's builders: ``splitgrad.pipeline.build`` as documented before issue 24, now an alias.
 
-The module lives in :mod:`splitgrad.pipeline.runtime.build`; this alias keeps ``from splitgrad.pipeline.build
-import build_runtime, pipeline_groups, sequential_stages`` working (it imports torch, as the module did). New
-code imports from :mod:`splitgrad.pipeline` (``build_runtime``, ``pipeline_groups``) or
-:mod:`splitgrad.pipeline.runtime`.
+The module lives in :mod:`splitgrad.pipeline.runtime.build`. Importing this path hands out that module itself
+(``splitgrad.pipeline.build is splitgrad.pipeline.runtime.build``), so the old imports keep working and can never
+drift from the new home. New code imports from the new home.
 """
 
 from __future__ import annotations
 
-from .runtime.build import PipelineGroups, build_runtime, pipeline_groups, sequential_stages
+import sys
 
-__all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
+from .runtime import build as _home
+
+sys.modules[__name__] = _home

@@ -1,12 +1,14 @@
-"""Public path of the simulator: ``splitgrad.pipeline.simulate`` as a module, as documented before issue 24.
+"""Public path of the simulator: ``splitgrad.pipeline.simulate`` as documented before issue 24, now an alias.
 
-The module lives in :mod:`splitgrad.pipeline.ir.simulate`; this alias keeps ``import
-splitgrad.pipeline.simulate`` and ``from splitgrad.pipeline.simulate import SimulationResult`` working. New code
-imports from :mod:`splitgrad.pipeline` or :mod:`splitgrad.pipeline.ir`.
+The module lives in :mod:`splitgrad.pipeline.ir.simulate`. Importing this path hands out that module itself
+(``splitgrad.pipeline.simulate is splitgrad.pipeline.ir.simulate``), so the old imports keep working and can never
+drift from the new home. New code imports from the new home.
 """
 
 from __future__ import annotations
 
-from .ir.simulate import Costs, SimulationResult, check_w_memory, simulate, stage_costs
+import sys
 
-__all__ = ["Costs", "SimulationResult", "check_w_memory", "simulate", "stage_costs"]
+from .ir import simulate as _home
+
+sys.modules[__name__] = _home

@@ -1,11 +1,14 @@
-"""Public path of the schedule checks: ``splitgrad.pipeline.validate`` as a module, as documented before issue 24.
+"""Public path of the schedule checks: ``splitgrad.pipeline.validate`` as documented before issue 24, now an alias.
 
-The module lives in :mod:`splitgrad.pipeline.ir.validate`; this alias keeps ``from splitgrad.pipeline.validate
-import channel_order_problems`` working. New code imports from :mod:`splitgrad.pipeline.ir`.
+The module lives in :mod:`splitgrad.pipeline.ir.validate`. Importing this path hands out that module itself
+(``splitgrad.pipeline.validate is splitgrad.pipeline.ir.validate``), so the old imports keep working and can never
+drift from the new home. New code imports from the new home.
 """
 
 from __future__ import annotations
 
-from .ir.validate import channel_order_problems, check_structure, find_problems, render_listing, validate
+import sys
 
-__all__ = ["channel_order_problems", "check_structure", "find_problems", "render_listing", "validate"]
+from .ir import validate as _home
+
+sys.modules[__name__] = _home

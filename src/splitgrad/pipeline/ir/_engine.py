@@ -5,7 +5,7 @@ Each rank runs its action list strictly in order. An action starts when its rank
 * ``F(s, i)`` needs ``F(s-1, i)``;
 * ``B(s, i)`` / ``BW(s, i)`` need ``F(s, i)`` and the ``B``/``BW`` of ``(s+1, i)``;
 * ``W(s, i)`` needs ``B(s, i)``;
-* an :class:`~splitgrad.pipeline.ir.OverlapAction` needs both parts' inputs, takes
+* an :class:`~splitgrad.pipeline.ir.actions.OverlapAction` needs both parts' inputs, takes
   ``f + b - overlap * min(f, b)`` (``b`` of a ``BW`` part is ``b + w``) and delivers both outputs at its end;
 * a gradient-sync point ``R`` needs nothing and takes no time; ``RF`` takes the stage's ``sync`` cost (the
   exposed part of its data-parallel reduction).

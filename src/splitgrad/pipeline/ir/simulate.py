@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 # The timeline room builds on this module (it simulates measured costs), so the events and renderers a result
 # hands its timeline to are imported where they are used, once both rooms have loaded.
 
-__all__ = ["Costs", "SimulationResult", "check_w_memory", "simulate", "stage_costs"]
+# stage_costs and check_w_memory are the argument checks the cost-aware schedules share (pipeline-internal).
+__all__ = ["Costs", "SimulationResult", "simulate"]
 
 Costs = float | Sequence[float]
 _stage_of, _kind_of = itemgetter(0), itemgetter(1)

@@ -25,7 +25,8 @@ from ._engine import run_engine
 from ._perf import gc_paused
 from .actions import COMPUTE_KINDS, Action, ActionKind, OverlapAction, Schedule, ScheduleError
 
-__all__ = ["channel_order_problems", "check_structure", "find_problems", "render_listing", "validate"]
+# check_structure is the simulator's fast shape check (ir-internal), not part of the public surface.
+__all__ = ["channel_order_problems", "find_problems", "render_listing", "validate"]
 
 _MAX_LISTED = 20
 _stage_of, _kind_of, _microbatch_of = itemgetter(0), itemgetter(1), itemgetter(2)

@@ -1,4 +1,4 @@
-"""The runtime: a :class:`~splitgrad.pipeline.ir.Schedule` run on torch.distributed, one rank at a time.
+"""The runtime: a :class:`~splitgrad.pipeline.ir.actions.Schedule` run on torch.distributed, one rank at a time.
 
 :func:`build_runtime` (:mod:`~.build`) cuts and wraps the stages and lowers the schedule;
 :class:`PipelineRuntime` (:mod:`~.pipeline_runtime`) only interprets it, each action kind through its handler

@@ -27,7 +27,7 @@ from torch import nn
 from ...core import WgradBundle, capture_wgrad
 from .recording import ActivationMeter
 
-__all__ = ["StageExecutor", "split_microbatches"]
+__all__ = ["StageExecutor"]
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A handler is ``handler(ctx, action, received)``: ``ctx`` is a :class:`HandlerContext`, exactly what handlers
 may touch (the schedule being run, the executor, the transport, the stages' data-parallel wrappers, the
-timeline's comm lane), never the runtime itself; ``received`` maps each :class:`~splitgrad.pipeline.ir.Transfer`
+timeline's comm lane), never the runtime itself; ``received`` maps each :class:`~splitgrad.pipeline.ir.actions.Transfer`
 the action needed to the tensor that arrived (the runtime has already waited for them). Compute kinds run
 through the :class:`~splitgrad.pipeline.runtime.executor.StageExecutor` inside the ``no_sync()`` of
 data-parallel stages whose ``R`` point has not run yet, then queue what they produced for the next rank (or
@@ -26,7 +26,7 @@ from .executor import StageExecutor
 __all__ = ["Handler", "HandlerContext", "Received", "default_handlers"]
 
 Received = dict[Transfer, torch.Tensor]
-"""What an action received: each :class:`~splitgrad.pipeline.ir.Transfer` it needed -> the tensor that came."""
+"""What an action received: each :class:`~splitgrad.pipeline.ir.actions.Transfer` it needed -> the tensor that came."""
 
 
 @dataclass(slots=True)

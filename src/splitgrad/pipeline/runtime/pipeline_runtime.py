@@ -1,7 +1,7 @@
 """Run a :class:`~splitgrad.pipeline.Schedule` on torch.distributed: each rank interprets its action list.
 
 The runtime decides nothing: what it does is in the schedule, lowered before it runs (:mod:`~.setup`), and each
-action goes to its kind's handler (:mod:`~.interpreter`, :mod:`~.handlers`). This class holds the parts of one
+action goes to its kind's handler (``_interpreter.py``, :mod:`~.handlers`). This class holds the parts of one
 rank (stages, executor, transport, recorder) and runs steps.
 """
 
@@ -21,14 +21,14 @@ from ..ir.actions import ActionKind, Schedule
 from ..ir.validate import validate
 from ..timeline.events import TimelineEvent
 from ..timeline.report import timeline_report
+from ._interpreter import Interpreter
+from ._stages import LocalStages
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor
 from .handlers import Handler, HandlerContext, default_handlers
-from .interpreter import Interpreter
 from .recording import ActivationMeter, TimelineRecorder, gather_events
 from .result import StepResult, mean_loss
 from .setup import check_same_layout, lower_schedule, resolve_pipeline_rank
-from .stages import LocalStages
 
 __all__ = ["PipelineRuntime"]
 

@@ -10,7 +10,7 @@ from ..timeline.events import TimelineEvent
 from .comm import PipelineComm
 from .comm.stats import CommStats
 
-__all__ = ["StepResult", "mean_loss"]
+__all__ = ["StepResult"]
 
 
 @dataclass(kw_only=True, slots=True)

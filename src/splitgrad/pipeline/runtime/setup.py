@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..ir.actions import Action, ActionKind, Schedule
 from ..passes import add_grad_sync, has_grad_sync
 
-__all__ = ["check_same_layout", "lower_schedule", "resolve_pipeline_rank"]
+__all__ = ["lower_schedule", "resolve_pipeline_rank"]
 
 
 def resolve_pipeline_rank(

@@ -1,4 +1,8 @@
-"""Schedule families by name: :func:`build_schedule` and :func:`schedule_names`."""
+"""Schedule families by name: :func:`build_schedule` and :func:`schedule_names`.
+
+``SCHEDULES`` (the name -> builder table) stays exported here only because ``splitgrad.pipeline.SCHEDULES``, a
+deprecated name, points to it; list the families with :func:`schedule_names`.
+"""
 
 from __future__ import annotations
 

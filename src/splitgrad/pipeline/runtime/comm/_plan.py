@@ -1,6 +1,6 @@
 """What a schedule implies for one rank's point-to-point messages, derived once before any step.
 
-Both ends of every message derive the same facts from the same :class:`~splitgrad.pipeline.ir.Schedule`,
+Both ends of every message derive the same facts from the same :class:`~splitgrad.pipeline.ir.actions.Schedule`,
 which is how :class:`~splitgrad.pipeline.runtime.comm.PipelineComm` agrees with its peers without talking: the order
 in which each peer sends to this rank (receives are posted in that order), which messages open a channel (and
 so carry a shape header on the first step), the action index at which each message is produced and consumed

@@ -1,6 +1,6 @@
 """Point-to-point transport of a pipeline runtime: activations forward, input gradients backward.
 
-One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.ir.Transfer` of a
+One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.ir.actions.Transfer` of a
 :class:`~splitgrad.pipeline.Schedule` over ``torch.distributed`` (``batch_isend_irecv``: gloo on CPU, NCCL on
 accelerators). Rules, all derived from the schedule so both ends agree without talking (what the schedule
 implies for this rank's messages is computed once, in ``_plan.py``):
@@ -23,7 +23,7 @@ implies for this rank's messages is computed once, in ``_plan.py``):
 * **Release.** gloo reports a send complete only once it is waited, so a sent tensor is waited (and freed)
   as soon as the schedule proves its peer consumed it: a message the peer produced at or after the action
   that used it has arrived. The rest are waited at the end of the step.
-* **Bounded waits.** Every wait uses ``work.wait(timeout)`` (:class:`~.waits.BoundedWaits`); a timeout or a
+* **Bounded waits.** Every wait uses ``work.wait(timeout)`` (:class:`~._waits.BoundedWaits`); a timeout or a
   dead peer becomes a ``RuntimeError`` naming this rank, the peer, the message and the action it was for.
 """
 
@@ -41,8 +41,8 @@ from ...ir.actions import Action, Schedule, Transfer
 from ._header import HEADER_LEN, decode_header, encode_header
 from ._plan import plan_messages
 from ._state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
+from ._waits import BoundedWaits, completed
 from .stats import CommStats, ReceiveRecord
-from .waits import BoundedWaits, completed
 
 __all__ = ["PipelineComm"]
 

@@ -143,7 +143,7 @@ def print_realisation(rows: dict[str, dict]) -> None:
     same work (2-D: native or through the adapter; 3-D: through the adapter, PyTorch's own split fails): the
     best by median step time, and the ratio the median over rounds of that round's step-time ratio.
 
-    Next to it, the step replayed at its own per-action durations (:func:`splitgrad.pipeline.replay.replay_measured`):
+    Next to it, the step replayed at its own per-action durations (:func:`splitgrad.pipeline.timeline.replay_measured`):
     measured - replay is the runtime's overhead without compute jitter, split on the longest-span rank into
     dispatch (idle with every input produced: Python between actions), transport (in a receive wait after the
     producer had finished) and propagated (waiting beyond the replay's for a producer delayed on its own rank);

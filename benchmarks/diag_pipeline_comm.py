@@ -22,8 +22,8 @@ action outside the handlers (``StepResult.runtime_cpu``), how long the runtime's
 receive buffers and unconfirmed sends held.
 
 And per step and rank, the step replayed at its own per-action durations
-(:func:`splitgrad.pipeline.replay.replay_measured`, the simulator's engine) and
-:func:`~splitgrad.pipeline.replay.overhead_split`: measured span - replay span = dispatch (idle with every input
+(:func:`splitgrad.pipeline.timeline.replay_measured`, the simulator's engine) and
+:func:`~splitgrad.pipeline.timeline.overhead_split`: measured span - replay span = dispatch (idle with every input
 produced, no receive running: Python between actions) + transport (in a receive wait after the producer had
 finished) + propagated (waiting beyond the replay's for a producer delayed on its own rank).
 """

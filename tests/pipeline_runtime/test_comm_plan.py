@@ -1,7 +1,7 @@
 """The message plan ``PipelineComm`` derives from a schedule: both ends of every message must agree on it.
 
 Why: ranks never negotiate; each derives from the schedule alone who sends it what, in which order, at which
-action, under which tag (``splitgrad.pipeline._comm_plan``). Two messages of a step with the same tag, or a
+action, under which tag (``splitgrad.pipeline.runtime.comm._plan``). Two messages of a step with the same tag, or a
 sender and a receiver disagreeing about where a message is produced or consumed, would pair a payload with the
 wrong buffer or release a send before it was received. Process-free: the plan reads only the schedule.
 """

@@ -36,8 +36,8 @@ SEPARATE = {frozenset({"module", "ops"})}
 #: Upward edges allowed on purpose, with the reason.
 ALLOWED = {
     # One torch-free action grammar (issue 12): capture orders are read with the pipeline's parser.
-    # pipeline/actions.py imports only the standard library, so no cycle and nothing heavy comes with it.
-    ("splitgrad.graphs.order", "splitgrad.pipeline.actions"),
+    # pipeline/ir/actions.py imports only the standard library, so no cycle and nothing heavy comes with it.
+    ("splitgrad.graphs.order", "splitgrad.pipeline.ir.actions"),
 }
 
 

@@ -29,11 +29,14 @@ from splitgrad.models import (
 )
 from splitgrad.parallel import DDPConfig
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
-from splitgrad.pipeline.comm import PipelineComm
-from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
-from splitgrad.pipeline.replay import overhead_split, replay_measured
-from splitgrad.pipeline.runtime import PipelineRuntime
+from splitgrad.pipeline.runtime import PipelineRuntime, build_runtime, pipeline_groups, sequential_stages
+from splitgrad.pipeline.runtime.comm import PipelineComm
+from splitgrad.pipeline.timeline import (
+    measured_bubble_ratio,
+    overhead_split,
+    replay_measured,
+    simulate_measured,
+)
 
 RTOL, ATOL = 1e-10, 1e-12
 VOCAB, SEQ, MB = 37, 8, 2

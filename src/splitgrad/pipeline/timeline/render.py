@@ -1,10 +1,9 @@
-"""Timelines: timed events per rank and their pictures (ASCII grid, Chrome-trace/Perfetto JSON, PNG Gantt).
+"""Pictures of timed events per rank: ASCII grid, Chrome-trace/Perfetto JSON, PNG Gantt.
 
-The input is deliberately generic: a list of :class:`TimelineEvent` ``(rank, name, start, end, kind, ...)``.
-The simulator produces them from a schedule (:meth:`SimulationResult.events`) and a runtime can produce them
-from measured timestamps (:meth:`TimelineEvent.from_action`), so simulated and measured runs are drawn by the
-same code. Kinds ``"F"``, ``"B"``, ``"W"``, ``"BW"`` and ``"FB"`` (an overlapped forward+backward pair) are compute;
-``"comm"``, the gradient-sync points ``"R"``/``"RF"`` (or any other kind) are drawn on a thin side track. matplotlib is imported only inside :func:`save_png`.
+The input is deliberately generic: a list of :class:`~.events.TimelineEvent` ``(rank, name, start, end, kind,
+...)``, from the simulator or a measured run alike. Kinds ``"F"``, ``"B"``, ``"W"``, ``"BW"`` and ``"FB"`` (an
+overlapped forward+backward pair) are compute; ``"comm"``, the gradient-sync points ``"R"``/``"RF"`` (or any
+other kind) are drawn on a thin side track. matplotlib is imported only inside :func:`save_png`.
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ import math
 import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from .actions import Action, OverlapAction
+from .events import COMPUTE_KINDS, TimelineEvent
 
 __all__ = [
-    "COMPUTE_KINDS",
-    "TimelineEvent",
     "render_ascii",
     "save_png",
     "to_chrome_trace",
@@ -30,42 +27,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMPUTE_KINDS = ("F", "B", "W", "BW", "FB")
-"""Event kinds drawn as compute; everything else is drawn on the side track."""
-
 # Paper-like palette: forward blue, input gradient teal, weight gradient green, full backward orange.
 _COLOURS = {"F": "#4f7fd9", "B": "#33b5b5", "W": "#7cc456", "BW": "#ee9a45", "FB": "#a77bd6"}
 _OTHER_COLOUR = "#9a9a9a"
-
-
-class TimelineEvent(NamedTuple):
-    """One timed interval on one rank.
-
-    ``start``/``end`` are in any unit (simulated cost units, or seconds for measured runs).
-    """
-
-    rank: int
-    name: str
-    """Label, e.g. ``"1F0"`` for an action or ``"recv grad 1B0"`` for communication."""
-    start: float
-    end: float
-    kind: str
-    """``"F"``, ``"B"``, ``"W"``, ``"BW"`` for compute, ``"comm"`` for transfers, or any other tag."""
-    stage: int | None = None
-    microbatch: int | None = None
-
-    @classmethod
-    def from_action(
-        cls, rank: int, action: Action | OverlapAction, start: float, end: float
-    ) -> TimelineEvent:
-        """Event for ``action`` run on ``rank`` over ``[start, end)`` (an overlapped pair: kind ``"FB"``, stage
-        of its forward part, no microbatch)."""
-        return cls(rank, action.name, start, end, action.kind.value, action.stage, action.microbatch)
-
-    @property
-    def is_compute(self) -> bool:
-        """Whether the event is one of the compute kinds."""
-        return self.kind in COMPUTE_KINDS
 
 
 def _check_events(events: Sequence[TimelineEvent]) -> None:

@@ -1,7 +1,7 @@
 """What a schedule implies for one rank's point-to-point messages, derived once before any step.
 
-Both ends of every message derive the same facts from the same :class:`~splitgrad.pipeline.actions.Schedule`,
-which is how :class:`~splitgrad.pipeline.comm.PipelineComm` agrees with its peers without talking: the order
+Both ends of every message derive the same facts from the same :class:`~splitgrad.pipeline.ir.actions.Schedule`,
+which is how :class:`~splitgrad.pipeline.runtime.comm.PipelineComm` agrees with its peers without talking: the order
 in which each peer sends to this rank (receives are posted in that order), which messages open a channel (and
 so carry a shape header on the first step), the action index at which each message is produced and consumed
 (what proves a send delivered), and the tag of every message. Nothing here touches a process group.
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._comm_state import MessageKey, message_key
-from .actions import Schedule, Transfer
+from ...ir.actions import Schedule, Transfer
+from ._state import MessageKey, message_key
 
 __all__ = ["MessagePlan", "plan_messages"]
 
 
 @dataclass(frozen=True, slots=True)
 class MessagePlan:
-    """One rank's messages of a schedule (keys are :func:`~splitgrad.pipeline._comm_state.message_key`)."""
+    """One rank's messages of a schedule (keys are :func:`~splitgrad.pipeline.runtime.comm._state.message_key`)."""
 
     from_peer: dict[int, list[tuple[Transfer, bool]]]
     """Per sending rank, its messages to this rank in its send order, each with "opens its channel"."""

@@ -1,4 +1,4 @@
-"""Lowering passes: rewrite a schedule so that everything a runtime does is in it, as data.
+"""The gradient-sync pass: a stage's data-parallel reduction as points in its rank's action list.
 
 torch.distributed.pipelining lowers its compute-only schedules by adding communication and ``REDUCE_GRAD``
 actions; the simulator, timelines and golden files then see what the runtime will do. Here:
@@ -9,17 +9,13 @@ actions; the simulator, timelines and golden files then see what the runtime wil
   often a ``W`` — arrives; and ``RF`` (finish: launch what is left and wait) after the stage's last compute,
   at the end of its rank's list so that a waiting reduction never delays another stage's compute.
 * :func:`strip_grad_sync` removes them again.
-* :func:`fuse_overlap_pairs` (in :mod:`~splitgrad.pipeline.overlap_pass`) rewrites a one-stage-per-rank schedule
-  (``1f1b``) into warm-up forwards, overlapped ``F+B`` pairs and cool-down backwards; run it before
-  :func:`add_grad_sync`.
 """
 
 from __future__ import annotations
 
-from .actions import SYNC_KINDS, Action, ActionKind, AnyAction, Schedule
-from .overlap_pass import fuse_overlap_pairs
+from ..ir.actions import SYNC_KINDS, Action, ActionKind, AnyAction, Schedule
 
-__all__ = ["add_grad_sync", "fuse_overlap_pairs", "has_grad_sync", "strip_grad_sync"]
+__all__ = ["add_grad_sync", "has_grad_sync", "strip_grad_sync"]
 
 _BACKWARD = (ActionKind.B, ActionKind.BW)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .actions import Schedule
-from .measure import measured_costs
-from .schedules import zb_auto
-from .simulate import simulate
+from ..ir.actions import Schedule
+from ..ir.simulate import simulate
+from ..schedules import zb_auto
+from ..timeline.analysis import measured_costs
 
 __all__ = ["AutoPlan", "ProfileGuidedPlanner", "profiling_schedule"]
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def profiling_schedule(n_stages: int, n_microbatches: int) -> Schedule:
     """The schedule profile steps run: 1F1B with split backward (``F``, ``B``, ``W`` each timed)."""
-    from .schedules import one_f_one_b
+    from ..schedules import one_f_one_b
 
     return one_f_one_b(n_stages, n_microbatches, split_backward=True)
 
@@ -148,7 +148,7 @@ class ProfileGuidedPlanner:
             "comm": min(waits) if waits else 0.0,
         }
         gathered = [local]
-        if runtime._distributed:
+        if runtime.comm is not None:  # a multi-rank pipeline
             gathered = [None] * p
             dist.all_gather_object(gathered, local, group=runtime.pp_group)
         fc, bc, wc, mb, mw = [0.0] * p, [0.0] * p, [0.0] * p, [0] * p, [0] * p

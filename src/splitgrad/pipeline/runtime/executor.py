@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import WgradBundle, capture_wgrad
-from .measure import ActivationMeter
+from ...core import WgradBundle, capture_wgrad
+from .recording import ActivationMeter
 
-__all__ = ["StageExecutor", "split_microbatches"]
+__all__ = ["StageExecutor"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ class StageExecutor:
         self.meter = meter
         self.begin(None, None)
 
+    def begin_step(self, inputs: Any, targets: Any) -> None:
+        """Start a step from the batch as a user passes it (see :func:`split_microbatches`): ``inputs`` are
+        split where this rank holds stage 0, ``targets`` where it holds the last stage; ignored elsewhere."""
+        m = self.n_microbatches
+        self.begin(
+            split_microbatches(inputs, m, "inputs") if 0 in self.stages else None,
+            split_microbatches(targets, m, "targets") if self.last_stage in self.stages else None,
+        )
+
     def begin(self, inputs: list[Any] | None, targets: list[Any] | None) -> None:
         """Start a step with per-microbatch inputs (first stage) and targets (last stage)."""
         self.inputs, self.targets = inputs, targets
@@ -74,6 +83,12 @@ class StageExecutor:
         self.w_tasks = 0
         if self.meter is not None:
             self.meter.reset()
+
+    def step_losses(self) -> list[torch.Tensor]:
+        """Every microbatch's detached loss in order (empty unless this rank holds the last stage)."""
+        if self.last_stage not in self.stages:
+            return []
+        return [self.losses[i] for i in range(self.n_microbatches)]
 
     def abort(self) -> None:
         """Give up the step: parked W work is discarded on purpose (no garbage-collection warning)."""

@@ -16,7 +16,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from ..actions import Action, ActionKind, OverlapAction, Schedule
+from ..ir.actions import Action, ActionKind, OverlapAction, Schedule
 
 __all__ = ["refill_w"]
 

@@ -5,7 +5,7 @@ Each rank runs its action list strictly in order. An action starts when its rank
 * ``F(s, i)`` needs ``F(s-1, i)``;
 * ``B(s, i)`` / ``BW(s, i)`` need ``F(s, i)`` and the ``B``/``BW`` of ``(s+1, i)``;
 * ``W(s, i)`` needs ``B(s, i)``;
-* an :class:`~splitgrad.pipeline.actions.OverlapAction` needs both parts' inputs, takes
+* an :class:`~splitgrad.pipeline.ir.actions.OverlapAction` needs both parts' inputs, takes
   ``f + b - overlap * min(f, b)`` (``b`` of a ``BW`` part is ``b + w``) and delivers both outputs at its end;
 * a gradient-sync point ``R`` needs nothing and takes no time; ``RF`` takes the stage's ``sync`` cost (the
   exposed part of its data-parallel reduction).
@@ -16,7 +16,7 @@ with *receives* blocking and sends posted asynchronously (``isend``), which is h
 when some rank waits for an input that can never be produced, i.e. when no rank can make progress.
 
 With ``durations`` every action costs its own given time instead of its stage's (the replay of a measured
-step, :mod:`~splitgrad.pipeline.replay`); the dependencies and the blocking model are the same.
+step, :mod:`~splitgrad.pipeline.timeline.replay`); the dependencies and the blocking model are the same.
 
 The loop is O(total actions): a rank runs until it blocks, registers itself under the one input it waits for,
 and is woken when that input is produced. Start times depend only on already-known end times, so the order in

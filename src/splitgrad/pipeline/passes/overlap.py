@@ -4,7 +4,7 @@ Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``) and DualP
 pairs "forward of microbatch ``j + k``, backward of microbatch ``j``", so each part's all-to-alls hide behind the
 other's compute; :func:`fuse_overlap_pairs` is that rewrite as a schedule pass. Per rank, keeping the input's
 order of forwards and of backwards: ``k`` warm-up forwards, then the pairs ``F(j + k)+B(j)`` (an
-:class:`~splitgrad.pipeline.actions.OverlapAction`), then the cool-down backwards; a ``W`` follows the unit that
+:class:`~splitgrad.pipeline.ir.actions.OverlapAction`), then the cool-down backwards; a ``W`` follows the unit that
 holds its ``B``.
 
 Why ``k = 2 (p - 1 - r) + 1`` on rank ``r`` of ``p`` by default, not 1F1B's ``p - 1 - r`` plus the one forward
@@ -23,8 +23,8 @@ runtime hands both parts to the stage's ``overlapped_forward_backward`` (e.g. an
 
 from __future__ import annotations
 
-from .actions import SYNC_KINDS, Action, ActionKind, AnyAction, OverlapAction, Schedule
-from .validate import validate
+from ..ir.actions import SYNC_KINDS, Action, ActionKind, AnyAction, OverlapAction, Schedule
+from ..ir.validate import validate
 
 __all__ = ["default_lookahead", "fuse_overlap_pairs"]
 

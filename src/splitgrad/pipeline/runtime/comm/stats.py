@@ -3,7 +3,7 @@
 Wall-clock waits on a loaded machine mix transport with a late producer; these records do not: when each
 receive was posted relative to when its action needed it, how many receives were posted ahead, how many
 shape headers were exchanged, how many bytes of receive buffers and of sent-but-unconfirmed tensors were
-held at once. :class:`~splitgrad.pipeline.comm.PipelineComm` fills one :class:`CommStats` per step.
+held at once. :class:`~splitgrad.pipeline.runtime.comm.PipelineComm` fills one :class:`CommStats` per step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-step bookkeeping of :class:`~splitgrad.pipeline.comm.PipelineComm`: messages in flight, sends held."""
+"""Per-step bookkeeping of :class:`~splitgrad.pipeline.runtime.comm.PipelineComm`: messages in flight, sends held."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .actions import Action, Transfer
-from .comm_stats import CommStats
+from ...ir.actions import Action, Transfer
+from .stats import CommStats
 
 __all__ = ["Channel", "Incoming", "MessageKey", "Meta", "Sent", "StepState", "describe", "message_key"]
 

@@ -1,9 +1,9 @@
 """Point-to-point transport of a pipeline runtime: activations forward, input gradients backward.
 
-One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.actions.Transfer` of a
+One :class:`PipelineComm` per rank carries every cross-rank :class:`~splitgrad.pipeline.ir.actions.Transfer` of a
 :class:`~splitgrad.pipeline.Schedule` over ``torch.distributed`` (``batch_isend_irecv``: gloo on CPU, NCCL on
 accelerators). Rules, all derived from the schedule so both ends agree without talking (what the schedule
-implies for this rank's messages is computed once, in ``_comm_plan.py``):
+implies for this rank's messages is computed once, in ``_plan.py``):
 
 * **Order.** A receiver posts its receives from a peer in the order that peer *sends* (its action order),
   buffering messages it does not need yet. Transports that pair messages by posting order (NCCL) therefore
@@ -23,13 +23,12 @@ implies for this rank's messages is computed once, in ``_comm_plan.py``):
 * **Release.** gloo reports a send complete only once it is waited, so a sent tensor is waited (and freed)
   as soon as the schedule proves its peer consumed it: a message the peer produced at or after the action
   that used it has arrived. The rest are waited at the end of the step.
-* **Bounded waits.** Every wait uses ``work.wait(timeout)``; a timeout or a dead peer becomes a
-  ``RuntimeError`` naming this rank, the peer, the message and the action it was for.
+* **Bounded waits.** Every wait uses ``work.wait(timeout)`` (:class:`~._waits.BoundedWaits`); a timeout or a
+  dead peer becomes a ``RuntimeError`` naming this rank, the peer, the message and the action it was for.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -37,12 +36,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel.group_ref import GroupRef
-from ._comm_plan import plan_messages
-from ._comm_state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
+from ....parallel.group_ref import GroupRef
+from ...ir.actions import Action, Schedule, Transfer
 from ._header import HEADER_LEN, decode_header, encode_header
-from .actions import Action, Schedule, Transfer
-from .comm_stats import CommStats, ReceiveRecord
+from ._plan import plan_messages
+from ._state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
+from ._waits import BoundedWaits, completed
+from .stats import CommStats, ReceiveRecord
 
 __all__ = ["PipelineComm"]
 
@@ -62,6 +62,8 @@ class PipelineComm:
             with gloo, whose receives never block sends; keep it off for NCCL, where a receive posted ahead
             of a send on the same pair stream can deadlock.
         on_wait: ``on_wait(label, start, end)`` called after each blocking receive (timeline recording).
+        replaces: the transport of the schedule this one replaces (every rank installs the same new one):
+            with the same stage layout, its agreed channel shapes carry over, so no header is exchanged again.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class PipelineComm:
         timeout: float,
         prefetch: bool = False,
         on_wait: Callable[[str, float, float], None] | None = None,
+        replaces: PipelineComm | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -81,20 +84,23 @@ class PipelineComm:
         # destroy_process_group().
         self._group = GroupRef(group, owner="PipelineComm.group")
         self.device = device
-        self.timeout = float(timeout)
         self.prefetch_enabled = prefetch
         # NCCL groups a batch into one launch; elsewhere a batch is the ops posted one by one, straight on
         # the process group (what dist.isend / irecv do after their argument checks).
         self._coalesce = dist.get_backend(group) == "nccl"
-        self._on_wait = on_wait
         self._global = {r: self._global_rank(r) for r in range(schedule.n_ranks)}
+        #: Every wait of this rank's traffic, bounded by ``timeout`` (the runtime's collectives use it too).
+        self.waits = BoundedWaits(rank, self._global[rank], timeout, on_wait)
         # Who sends what to whom, in which order, with which tag: derived from the schedule, as on every peer.
         self._plan = plan_messages(schedule, rank)
         # Channel shapes both ends agreed on in a completed step (kept across steps; see reset_shapes).
         self._known_out: dict[Channel, Meta] = {}
         self._known_in: dict[Channel, Meta] = {}
+        if replaces is not None and replaces.schedule.stage_to_rank == schedule.stage_to_rank:
+            # Same stage layout: both ends of every channel keep the shapes agreed so far.
+            self._known_out, self._known_in = dict(replaces._known_out), dict(replaces._known_in)
         self._state = StepState()
-        #: What the last completed step's messages did (:class:`~splitgrad.pipeline.comm_stats.CommStats`).
+        #: What the last completed step's messages did (:class:`~splitgrad.pipeline.runtime.comm.CommStats`).
         self.last_stats: CommStats | None = None
 
     @property
@@ -125,15 +131,11 @@ class PipelineComm:
         self._known_out.clear()
         self._known_in.clear()
 
-    def keep_shapes_of(self, other: PipelineComm) -> None:
-        """Start from the channel shapes ``other`` (the same ranks and stage layout) agreed in its steps."""
-        self._known_out, self._known_in = dict(other._known_out), dict(other._known_in)
-
     def finish_step(self) -> None:
         """Post queued sends, wait for every send of the step, and check every expected message arrived."""
         self.flush()
         state = self._state
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.waits.timeout
         for sent in state.sent:
             self._wait_sent(sent, deadline)
         state.sent = []
@@ -149,6 +151,20 @@ class PipelineComm:
         self._known_out, self._known_in = state.meta_out, state.meta_in
         state.stats.send_bytes = state.stats.recv_bytes = 0
         self.last_stats = state.stats
+
+    def barrier(self) -> None:
+        """Wait (bounded) until every rank of the group reaches this point: the step's common time origin."""
+        self.waits.collective(
+            lambda: dist.barrier(group=self.group, async_op=True),
+            "the other pipeline ranks to reach the step's start barrier",
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        """Broadcast ``tensor`` (any shape, same on every rank) from pipeline rank ``src``, bounded."""
+        src_global = self._global[src]
+        self.waits.collective(
+            lambda: dist.broadcast(tensor, src=src_global, group=self.group, async_op=True), what
+        )
 
     def abort(self) -> None:
         """Drop all per-step state after an error (outstanding works are abandoned, not waited)."""
@@ -190,14 +206,14 @@ class PipelineComm:
 
     def _wait_sent(self, sent: Sent, deadline: float) -> None:
         what = f"rank {sent.transfer.dst_rank} to receive the {describe(sent.transfer)} sent by action {sent.action}"
-        self.wait(sent.work, what, deadline=deadline)
+        self.waits.wait(sent.work, what, deadline=deadline)
         self._state.stats.send_bytes -= sent.tensor.nbytes
 
     def _release_delivered(self, peer: int, peer_index: int) -> None:
         """Wait (at once: they are done) and drop the sends ``peer`` consumed at or before its action
         ``peer_index``: it has sent us a message from that action on, so it had received them."""
         state, pending, consumed_at = self._state, [], self._plan.consumed_at
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.waits.timeout
         for sent in state.sent:
             t = sent.transfer
             if t.dst_rank == peer and consumed_at.get(message_key(t), peer_index + 1) <= peer_index:
@@ -230,7 +246,7 @@ class PipelineComm:
             where = f"before action {action}" if action is not None else "at the end of the step"
             ranks = ("ranks " if len(peers) > 1 else "rank ") + ", ".join(map(str, peers))
             raise RuntimeError(
-                f"{self._who()}: failed posting, {where}, the messages of actions {sends} and {len(recv_ops)} "
+                f"{self.waits.who()}: failed posting, {where}, the messages of actions {sends} and {len(recv_ops)} "
                 f"receive(s), to/from {ranks} (did it crash?): {exc}"
             ) from exc
         n_send = len(state.queued)
@@ -276,7 +292,7 @@ class PipelineComm:
             )
         label = f"recv {'act' if transfer.kind == 'activation' else 'grad'} {action}"
         what = f"the {describe(transfer)} of action {action} from rank {transfer.src_rank}"
-        self.wait(msg.payload_work, what, label=label)
+        self.waits.wait(msg.payload_work, what, label=label)
         stats = self._state.stats
         stats.posted_ahead += ahead
         stats.receives.append(
@@ -339,12 +355,12 @@ class PipelineComm:
                     posted.append((msg, True))
                 # Posts queued sends too: never block while holding a message a peer may be waiting for.
                 post()
-                if not (block or _completed(msg.header_work)):
+                if not (block or completed(msg.header_work)):
                     break
                 what = (
                     f"the header of the {describe(spec)} (before action {action}) from rank {spec.src_rank}"
                 )
-                self.wait(msg.header_work, what, label=f"recv header {action}" if block else None)
+                self.waits.wait(msg.header_work, what, label=f"recv header {action}" if block else None)
                 state.meta_in[channel] = decode_header(msg.header)
                 state.stats.headers += 1
             shape, dtype = state.meta_in[channel]
@@ -360,51 +376,3 @@ class PipelineComm:
     def _recv_op(self, tensor: torch.Tensor, transfer: Transfer, *, header: bool) -> dist.P2POp:
         peer = self._global[transfer.src_rank]
         return dist.P2POp(dist.irecv, tensor, peer, self.group, self._plan.tag(transfer, header))
-
-    # -- bounded waits -----------------------------------------------------------------------------------
-
-    def wait(
-        self,
-        work: dist.Work | None,
-        what: str,
-        *,
-        deadline: float | None = None,
-        label: str | None = None,
-    ) -> None:
-        """Wait for ``work`` at most ``timeout`` seconds (or until ``deadline``, a ``time.monotonic`` value).
-
-        Raises:
-            RuntimeError: on timeout or a failed transfer, naming this rank and ``what`` (which says whom it
-                waited for and for which action).
-        """
-        if work is None:
-            raise RuntimeError(f"pipeline rank {self.rank}: internal error, nothing was posted for {what}")
-        budget = self.timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
-        start = time.perf_counter()
-        try:
-            finished = work.wait(datetime.timedelta(seconds=budget))
-        except Exception as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise self._timeout_error(what, budget) from exc
-            raise RuntimeError(
-                f"{self._who()}: failed waiting for {what} (did that rank crash?): {exc}"
-            ) from exc
-        if finished is False:
-            raise self._timeout_error(what, budget)
-        if label is not None and self._on_wait is not None:
-            self._on_wait(label, start, time.perf_counter())
-
-    def _timeout_error(self, what: str, budget: float) -> RuntimeError:
-        return RuntimeError(f"{self._who()}: timed out after {budget:.3g}s waiting for {what}")
-
-    def _who(self) -> str:
-        own = self._global[self.rank]
-        return f"pipeline rank {self.rank}" + ("" if own == self.rank else f" (global rank {own})")
-
-
-def _completed(work: dist.Work) -> bool:
-    """Non-blocking completion check; a failed transfer counts as not done (the blocking wait reports it)."""
-    try:
-        return bool(work.is_completed())
-    except Exception:  # the error is raised again, with context, by the blocking wait
-        return False

@@ -34,10 +34,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._engine import run_engine
-from .actions import ActionKind, AnyAction, Schedule
-from .timeline import COMPUTE_KINDS, TimelineEvent
-from .validate import validate
+from ..ir._engine import run_engine
+from ..ir.actions import ActionKind, AnyAction, Schedule
+from ..ir.validate import validate
+from .events import COMPUTE_KINDS, TimelineEvent
 
 __all__ = ["RankOverhead", "ReplayResult", "overhead_split", "replay_measured"]
 

@@ -149,7 +149,7 @@ def _usage_error(args: argparse.Namespace, message: str) -> int:
 def _spawn_local(cfg: DemoConfig) -> int:
     import torch
 
-    from ..parallel.launch import spawn
+    from ..distributed.launch import spawn
 
     print(
         f"splitgrad demo: GPT {cfg.num_layers} layers x {cfg.hidden_size}, {cfg.ranks} pipeline ranks "

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.steps import Steps, child_steps
-from ..functional.group_ref import GroupRef
-from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
-from ..functional.tp_sequence import gather_sequence, split_sequence
+from ..distributed.group_ref import GroupRef
+from ..distributed.tp_config import TensorParallelConfig, tensor_parallel_config
+from ..distributed.tp_sequence import gather_sequence, split_sequence
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
@@ -279,7 +279,7 @@ class GPT(nn.Module):
             got = None if tp_group is None else dist.get_world_size(tp_group)
             raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
-        # The default group is looked up at use, another held weakly (functional/group_ref.py): a model left
+        # The default group is looked up at use, another held weakly (distributed/group_ref.py): a model left
         # in a script's globals must not keep the group's gloo workers alive past destroy_process_group().
         self._tp_group = None if tp_group is None else GroupRef(tp_group, owner="GPT.tp_group")
         sp = sequence_parallel_config(tp_group, config)

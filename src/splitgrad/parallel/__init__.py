@@ -7,12 +7,12 @@ included) have arrived, and leaves the data-parallel average in ``main_grad`` af
 
 from __future__ import annotations
 
+from ..distributed.teardown import destroy_process_group
 from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
 from .fsdp_stage import FSDPStage
-from .teardown import destroy_process_group
 from .tensor import TensorParallelConfig, TensorParallelGroups, tensor_parallel_groups
 
 __all__ = [

@@ -30,11 +30,11 @@ from torch import nn
 
 from ..core import ensure_no_pending_wgrad
 from ..core.steps import Steps, child_steps
+from ..distributed.group_ref import GroupRef
 from .buckets import Bucket, GradBuffer, build_buffers
 from .config import DDPConfig
 from .ddp_hooks import detach, install_hooks
 from .grad_sync import GradSync
-from .group_ref import GroupRef
 from .readiness import StepCounts, count_contributions
 
 __all__ = ["DistributedDataParallel"]

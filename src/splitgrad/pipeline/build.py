@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.group_ref import GroupRef
+from ..distributed.group_ref import GroupRef
 from .actions import Schedule
 from .executor import LossFn
 from .runtime import PipelineRuntime, resolve_pipeline_rank

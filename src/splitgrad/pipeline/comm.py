@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel.group_ref import GroupRef
+from ..distributed.group_ref import GroupRef
 from ._comm_plan import plan_messages
 from ._comm_state import Channel, Incoming, Meta, Sent, StepState, describe, message_key
 from ._header import HEADER_LEN, decode_header, encode_header

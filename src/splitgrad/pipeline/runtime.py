@@ -31,7 +31,7 @@ from torch import nn
 
 from ..core import ensure_no_pending_wgrad
 from ..core.profiling import profiler_active
-from ..parallel.group_ref import GroupRef
+from ..distributed.group_ref import GroupRef
 from .actions import Action, ActionKind, AnyAction, Schedule, Transfer
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor, split_microbatches

@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from ..group_ref import GroupRef
+from ...distributed.group_ref import GroupRef
 from .baton import ComputeBaton
 
 __all__ = [
@@ -294,7 +294,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pending, backward_group, in_backward_flight, baton):  # type: ignore[override]
-        # The group is looked up / held weakly (parallel/group_ref.py): a graph kept alive by a tensor in the
+        # The group is looked up / held weakly (distributed/group_ref.py): a graph kept alive by a tensor in the
         # user's globals must not keep the group's gloo workers alive past destroy_process_group().
         ctx.group = GroupRef(backward_group, owner=f"AllToAll ({pending.what}) backward_group")
         ctx.splits, ctx.what, ctx.log = pending.splits, pending.what, pending.log

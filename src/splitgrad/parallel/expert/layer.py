@@ -27,13 +27,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.steps import Steps, run_steps
+from ...distributed.group_ref import GroupRef
 from ...models.config import MoEConfig
 from ...models.gpt import Norm, split_kwargs
 from ...models.moe import AuxLossInjector, MoEMLP, moe_activation
 from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
-from ..group_ref import GroupRef
 from .all_to_all import await_exchange, finish_all_to_all, start_all_to_all, start_count_exchange, wait_work
 from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
@@ -99,7 +99,7 @@ class ExpertParallelMoEMLP(MoEMLP):
                 f"ExpertParallelMoEMLP: backward_group must have the ep_group's {ep_size} ranks, got "
                 f"{dist.get_world_size(backward_group)}"
             )
-        # Held weakly or looked up at use (parallel/group_ref.py): a model left in the user's globals must not
+        # Held weakly or looked up at use (distributed/group_ref.py): a model left in the user's globals must not
         # keep the groups' gloo workers alive past destroy_process_group().
         self._groups = {
             name: GroupRef(group, owner=f"ExpertParallelMoEMLP.{name}")

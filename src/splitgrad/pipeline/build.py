@@ -24,7 +24,7 @@ from .executor import LossFn
 from .runtime import PipelineRuntime, resolve_pipeline_rank
 
 if TYPE_CHECKING:
-    from ..parallel.config import DDPConfig
+    from ..parallel import DDPConfig
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 

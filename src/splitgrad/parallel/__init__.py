@@ -4,7 +4,7 @@
   hooks and splitgrad's wgrad hooks), every parameter's gradient in a ``main_grad`` view of a contiguous
   per-dtype buffer, buckets reduced asynchronously as soon as they are complete;
 * :mod:`.fsdp` -- FSDP2 (``fully_shard``) with deferred weight gradients: :func:`defer_fsdp_reduction`,
-  :class:`FSDPStage`;
+  :class:`FSDPStage`, :func:`fsdp_reduction_handle`;
 * :mod:`.tensor` -- tensor-parallel process groups and the TP config / collectives' public home;
 * :mod:`.expert` -- expert parallelism (all-to-all token exchange, expert-DP reductions, batch-level overlap).
 
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from ..distributed.teardown import destroy_process_group
 from .data import DDPConfig, DistributedDataParallel
-from .fsdp import FSDPReductionHandle, defer_fsdp_reduction
-from .fsdp_stage import FSDPStage
+from .fsdp import FSDPReductionHandle, FSDPStage, defer_fsdp_reduction, fsdp_reduction_handle
 from .tensor import TensorParallelConfig, TensorParallelGroups, tensor_parallel_groups
 
 __all__ = [
@@ -29,5 +28,6 @@ __all__ = [
     "TensorParallelGroups",
     "defer_fsdp_reduction",
     "destroy_process_group",
+    "fsdp_reduction_handle",
     "tensor_parallel_groups",
 ]

@@ -35,7 +35,6 @@ from ...module.grouped_linear import GroupedLinear
 from ...module.linear import Linear
 from ...ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
 from .all_to_all import await_exchange, finish_all_to_all, start_all_to_all, start_count_exchange, wait_work
-from .baton import ComputeBaton
 from .dispatch_wgrad import run_expert_wgrad
 
 __all__ = ["EXPERT_KINDS", "ExpertParallelMoEMLP"]
@@ -67,11 +66,6 @@ class ExpertParallelMoEMLP(MoEMLP):
         dp_group: every rank whose tokens form the global batch (the dense parameters' data-parallel group,
             ``ep_group`` x the expert-data-parallel group); None: ``ep_group``.
         experts: one of :data:`EXPERT_KINDS`.
-        backward_group: the group the backward's all-to-alls use (same ranks as ``ep_group``); None:
-            ``ep_group``. A separate group is what lets
-            :func:`~splitgrad.parallel.expert.overlapped_forward_backward` run one microbatch's forward and
-            another's backward at the same time on two threads (``driver="threads"``; the single-thread
-            ``driver="steps"`` issues both parts' exchanges in a fixed order and needs none).
     """
 
     def __init__(
@@ -81,7 +75,6 @@ class ExpertParallelMoEMLP(MoEMLP):
         dp_group: dist.ProcessGroup | None = None,
         *,
         experts: str = "module",
-        backward_group: dist.ProcessGroup | None = None,
     ) -> None:
         nn.Module.__init__(self)
         if experts not in EXPERT_KINDS:
@@ -93,19 +86,12 @@ class ExpertParallelMoEMLP(MoEMLP):
                 f"num_experts={config.num_experts} ep_size={ep_size}"
             )
         self.ep_size, self.ep_rank = ep_size, dist.get_rank(ep_group)
-        backward_group = backward_group if backward_group is not None else ep_group
-        if dist.get_world_size(backward_group) != ep_size:
-            raise ValueError(
-                f"ExpertParallelMoEMLP: backward_group must have the ep_group's {ep_size} ranks, got "
-                f"{dist.get_world_size(backward_group)}"
-            )
         # Held weakly or looked up at use (distributed/group_ref.py): a model left in the user's globals must not
         # keep the groups' gloo workers alive past destroy_process_group().
         self._groups = {
             name: GroupRef(group, owner=f"ExpertParallelMoEMLP.{name}")
             for name, group in (
                 ("ep_group", ep_group),
-                ("backward_group", backward_group),
                 ("dp_group", dp_group if dp_group is not None else ep_group),
             )
         }
@@ -125,9 +111,6 @@ class ExpertParallelMoEMLP(MoEMLP):
         #: Set to a list to record every blocking wait of the layer's collectives (both directions, token counts and
         #: aux-loss all-reduce too) as ``(name, start, end)``: the time the thread was blocked (diagnostics).
         self.wait_log: list | None = None
-        #: Set by ``overlapped_forward_backward(..., exclusive_compute=True)`` for the pair: the exchanges of both
-        #: directions release it while they wait (see ``baton.py``); None: plain waits.
-        self.compute_baton: ComputeBaton | None = None
         h, f, n = config.hidden_size, config.moe_ffn_hidden_size, self.local_experts
         width = 2 * f if config.activation in ("swiglu", "geglu") else f
         self.norm = Norm(config)
@@ -152,11 +135,6 @@ class ExpertParallelMoEMLP(MoEMLP):
     def ep_group(self) -> dist.ProcessGroup:
         """The expert-parallel group."""
         return self._groups["ep_group"].get()
-
-    @property
-    def backward_group(self) -> dist.ProcessGroup:
-        """The group of the backward's all-to-alls (``ep_group`` unless one was given)."""
-        return self._groups["backward_group"].get()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -191,10 +169,8 @@ class ExpertParallelMoEMLP(MoEMLP):
         flat = experts.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
         # The split-size exchange is started first and waited just before the dispatch: its round trip runs
-        # under the permutation below instead of as a blocking step of its own. Its wait keeps the pair's
-        # baton: handing the core over at this tiny exchange let the other part run a whole segment while
-        # this part's dispatch, the exchange worth hiding, was not yet started (1 Gbit, delayed: 56 -> 71 %).
-        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, None, self.wait_log)
+        # under the permutation below instead of as a blocking step of its own.
+        count_exchange = start_count_exchange(counts, self.ep_group, self.comm_log, self.wait_log)
         order = torch.argsort(flat, stable=True)
         copies = h.unsqueeze(1).expand(tokens, k, h.shape[-1]).reshape(-1, h.shape[-1])
         sent = copies.index_select(0, order)
@@ -220,13 +196,7 @@ class ExpertParallelMoEMLP(MoEMLP):
             wait_log=self.wait_log,
         )
         yield from await_exchange(dispatch, stats_work)
-        rows = finish_all_to_all(
-            sent,
-            dispatch,
-            backward_group=self.backward_group,
-            in_backward_flight=self._in_dispatch_backward,
-            baton=self._compute_baton,
-        )
+        rows = finish_all_to_all(sent, dispatch, in_backward_flight=self._in_dispatch_backward)
 
         # Received rows are grouped by (source rank, local expert); the experts need them by local expert.
         local_ids = torch.arange(self.local_experts, device=rows.device).repeat(self.ep_size)
@@ -240,17 +210,11 @@ class ExpertParallelMoEMLP(MoEMLP):
             y, in_splits, out_splits, self.ep_group, what="combine", log=self.comm_log, wait_log=self.wait_log
         )
         yield from await_exchange(combine, stats_work)
-        y = finish_all_to_all(y, combine, backward_group=self.backward_group, baton=self._compute_baton)
+        y = finish_all_to_all(y, combine)
 
         out = (y.index_select(0, _inverse(order)).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(1)
 
-        wait_work(
-            stats_work,
-            "aux-loss count all-reduce",
-            self.dp_group,
-            baton=self.compute_baton,
-            wait_log=self.wait_log,
-        )
+        wait_work(stats_work, "aux-loss count all-reduce", self.dp_group, wait_log=self.wait_log)
         global_counts, global_tokens = stats[:-1], int(stats[-1])
         aux = self._aux_share(probs, global_counts, global_tokens)
         self.last_aux_loss = aux.detach()
@@ -259,10 +223,6 @@ class ExpertParallelMoEMLP(MoEMLP):
         if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
             out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
         return out.view(shape)
-
-    def _compute_baton(self) -> ComputeBaton | None:
-        # Read at each wait, not captured at forward: microbatch i's backward runs in the pair after its forward.
-        return self.compute_baton
 
     def _in_dispatch_backward(self) -> None:
         # Called by the dispatch backward while its exchange is in flight: fc1's and fc2's dgrad just parked

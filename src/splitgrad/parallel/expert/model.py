@@ -23,9 +23,6 @@ class ExpertParallelMoEGPT(MoEGPT):
         ep_group: the expert-parallel process group.
         dp_group: every rank whose tokens form the global batch (default ``ep_group``).
         experts: ``"module"`` (``splitgrad.GroupedLinear``) or ``"ops"`` (``splitgrad.ops.GroupedLinear``).
-        ep_backward_group: a second group of the same ranks for the backward's all-to-alls (batch-level overlap
-            with ``driver="threads"`` runs one microbatch's forward A2A while another's backward A2A is in flight
-            on another thread; ``driver="steps"`` needs none).
         device: parameter device.
     """
 
@@ -36,13 +33,12 @@ class ExpertParallelMoEGPT(MoEGPT):
         ep_group: object,
         dp_group: object | None = None,
         experts: str = "module",
-        ep_backward_group: object | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         if ep_group is None:
             raise ValueError("ExpertParallelMoEGPT needs an ep_group; the single-process model is MoEGPT")
         # Read by _make_mlp, which GPT.__init__ calls before this class could set attributes normally.
-        object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts, ep_backward_group))
+        object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts))
         try:
             super().__init__(config, device=device)
         finally:
@@ -52,7 +48,5 @@ class ExpertParallelMoEGPT(MoEGPT):
 
     def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
         del layer
-        ep_group, dp_group, experts, backward_group = self._expert_parallel
-        return ExpertParallelMoEMLP(
-            config, ep_group, dp_group, experts=experts, backward_group=backward_group
-        )
+        ep_group, dp_group, experts = self._expert_parallel
+        return ExpertParallelMoEMLP(config, ep_group, dp_group, experts=experts)

@@ -1,4 +1,13 @@
-"""Expert parallelism: MoE experts sharded over a process group, tokens exchanged with all-to-all."""
+"""Expert parallelism: MoE experts sharded over a process group, tokens exchanged with all-to-all.
+
+* :mod:`.layer` -- :class:`ExpertParallelMoEMLP`: the shared router and experts of ``splitgrad.models`` with an
+  all-to-all dispatcher between them; :mod:`.model` -- :class:`ExpertParallelMoEGPT`;
+* :mod:`.dispatcher`, :mod:`.all_to_all` -- the token exchange (split sizes, dispatch, combine, autograd);
+* :mod:`.dispatch_wgrad` -- the experts' deferred weight gradients inside the dispatch backward;
+* :mod:`.grad_sync` -- :class:`ExpertDataParallel` (expert-DP and DP reductions from the wgrad hooks);
+* :mod:`.state` -- :func:`load_full_state_dict`;
+* :mod:`.overlap` -- batch-level overlap (:func:`overlapped_forward_backward`, :class:`OverlappedMoEStage`).
+"""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.steps import child_steps
-from .all_to_all import AllToAll
+from ....core.steps import child_steps
+from ..all_to_all import AllToAll
 from .probe import ThreadProbe
 
 __all__ = ["bind_backward_exchanges", "run_pair_in_steps"]

@@ -1,7 +1,7 @@
 """Batch-level overlap: one microbatch's forward runs while another's backward runs, each hiding the other's
 all-to-alls (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, DualPipe's overlapped chunk).
 
-One thread, a fixed interleave at sub-layer granularity (``step_driver.py``): the forward runs as steps that
+One thread, a fixed interleave at sub-layer granularity (``driver.py``): the forward runs as steps that
 each end by issuing an exchange, and every backward exchange advances the forward by one step while it is in
 flight. Every rank issues the same collectives in the same order, so forward and backward share one group.
 
@@ -10,7 +10,7 @@ other: training is bit-for-bit the same as in order.
 
 With deferred wgrad, each MoE layer's expert weight gradients of the backward part run while that layer's
 backward dispatch all-to-all is in flight (Megatron-Core's ``--delay-wgrad-compute`` placement), in the order
-``backward_dw`` would have run them (see ``dispatch_wgrad.py``); the dense layers' stay deferred.
+``backward_dw`` would have run them (see ``../dispatch_wgrad.py``); the dense layers' stay deferred.
 
 A second driver, ``driver="threads"`` (the backward on a second thread, with a second process group per layer
 for its exchanges and an optional compute baton), was retired: measured on 2 gloo ranks in a rate-limited
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.steps import Steps, child_steps
-from .layer import ExpertParallelMoEMLP
-from .step_driver import run_pair_in_steps
+from ....core.steps import Steps, child_steps
+from ..layer import ExpertParallelMoEMLP
+from .driver import run_pair_in_steps
 
 __all__ = ["OverlappedMoEStage", "overlapped_forward_backward", "set_wgrad_in_dispatch"]
 
@@ -48,7 +48,7 @@ def overlapped_forward_backward(
 
     The backward runs first; each of its all-to-all exchanges, while in flight, advances the forward by one step
     (up to the forward's next exchange), and the forward's remaining steps run after the backward
-    (Megatron-Core's combined-1F1B order; see ``step_driver.py``).
+    (Megatron-Core's combined-1F1B order; see ``driver.py``).
 
     Args:
         module: a model or pipeline stage holding expert-parallel layers, or its splitgrad data-parallel wrapper
@@ -67,7 +67,7 @@ def overlapped_forward_backward(
             ``steps``, ``in_backward``, ``num_threads``), ``"backward"`` (``start`` / ``end``, ``cpu`` without
             the forward steps run inside it, ``num_threads``) and ``"pair"`` (the whole call's span, CPU and,
             where the OS reports them, context switches); see
-            :func:`~splitgrad.parallel.expert.step_driver.run_pair_in_steps`.
+            :func:`~splitgrad.parallel.expert.overlap.driver.run_pair_in_steps`.
 
     Returns:
         ``module(x)``.

@@ -113,9 +113,8 @@ def run_in_namespace(command: Sequence[str], *, rate: str = "1gbit") -> int:
             try:
                 return child.wait()
             finally:
-                if (
-                    child.poll() is None
-                ):  # Ctrl-C or an error here: do not leave it running in a deleted namespace
+                # Ctrl-C or an error here: do not leave it running in a deleted namespace.
+                if child.poll() is None:
                     child.kill()
                     child.wait()
     finally:

@@ -123,7 +123,7 @@ def start_count_exchange(
     ep = dist.get_world_size(group)
     if counts.dim() != 1 or counts.numel() % ep:
         raise ValueError(
-            f"exchange_counts: counts must be (ep_size * local_experts,), got shape {tuple(counts.shape)} for "
+            f"start_count_exchange: counts must be (ep_size * local_experts,), got shape {tuple(counts.shape)} for "
             f"ep_size={ep}"
         )
     received = torch.empty_like(counts)

@@ -364,5 +364,5 @@ def test_the_command_check_rejects_bad_commands(tmp_path, monkeypatch):
         with pytest.raises((AssertionError, ValueError)):
             check_command("sample.md:1", argv, tmp_path, monkeypatch)
     # A flag a script takes from a sibling benchmark module it imports is known.
-    shared = [".venv/bin/python", "benchmarks/diag_moe_overlap.py", "--driver", "threads,steps"]
+    shared = [".venv/bin/python", "benchmarks/diag_moe_overlap.py", "--balanced-routing"]
     assert check_command("sample.md:1", shared, tmp_path, monkeypatch) == "benchmark flags"

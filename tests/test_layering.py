@@ -1,4 +1,5 @@
-"""Imports point one way: core -> functional -> module / ops -> parallel / graphs / models -> pipeline -> cli.
+"""Imports point one way: core -> functional -> distributed -> module / ops -> models -> parallel / graphs -> pipeline
+-> cli.
 
 Why: the layout is meant to show the architecture (CONVENTIONS.md, README's Layout). A lower layer importing a
 higher one, ``module/`` and ``ops/`` importing each other, or one package reaching into another's private
@@ -18,18 +19,19 @@ SRC = Path(__file__).parents[1] / "src" / "splitgrad"
 #: Layer of each top-level part of the package (equal numbers: siblings).
 LAYERS = {
     "core": 0,
-    "functional": 1,
-    "module": 2,
-    "ops": 2,
-    "convert": 2,  # torch.nn.Linear -> splitgrad.Linear: built on module/
-    "parallel": 3,
-    "graphs": 3,
-    "models": 3,
-    "pipeline": 4,
-    "testing": 5,  # test doubles and references: may use anything below the CLI; the library never imports it
-    "cli": 6,
-    "__main__": 6,
-    "": 6,  # the package facade (splitgrad/__init__.py) re-exports from every layer
+    "functional": 1,  # pure kernels: no process groups
+    "distributed": 2,  # process-group plumbing: group references, TP collectives, launch, teardown, waits
+    "module": 3,
+    "ops": 3,
+    "convert": 3,  # torch.nn.Linear -> splitgrad.Linear: built on module/
+    "models": 4,  # the demo models: parallel/ builds its expert-parallel twins from their parts
+    "parallel": 5,
+    "graphs": 5,
+    "pipeline": 6,
+    "testing": 7,  # test doubles and references: may use anything below the CLI; the library never imports it
+    "cli": 8,
+    "__main__": 8,
+    "": 8,  # the package facade (splitgrad/__init__.py) re-exports from every layer
 }
 #: Siblings that must not import each other.
 SEPARATE = {frozenset({"module", "ops"})}
@@ -218,6 +220,9 @@ def test_no_import_cycles_between_packages():
         ),
         (("splitgrad.models.gpt", "splitgrad"), "package facade"),
         (("splitgrad.graphs.api", "splitgrad.pipeline.runtime"), "higher layer 'pipeline'"),
+        (("splitgrad.functional.wgrad", "splitgrad.distributed.group_ref"), "higher layer 'distributed'"),
+        (("splitgrad.distributed.tp_comm", "splitgrad.module.linear"), "higher layer 'module'"),
+        (("splitgrad.models.moe", "splitgrad.parallel.expert.layer"), "higher layer 'parallel'"),
     ],
 )
 def test_the_checks_reject_a_wrong_edge(edge, expected):

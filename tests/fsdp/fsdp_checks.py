@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import splitgrad
-from splitgrad.parallel import FSDPStage, defer_fsdp_reduction
+from splitgrad.parallel import FSDPStage, defer_fsdp_reduction, fsdp_reduction_handle
 
 F64 = torch.float64
 D = 8
@@ -145,6 +145,7 @@ def check_no_reduce_until_last(rank: int, world: int) -> None:
     """With sync off, W writes nothing into the sharded .grad: held until the last microbatch's W."""
     model = shard_model(build(True))
     handle = defer_fsdp_reduction(model)
+    _check_lookup(model, handle)
     model.set_requires_gradient_sync(False)
     loss_of(model(data(rank, 0))).backward()
     splitgrad.backward_dw(model)
@@ -167,6 +168,21 @@ def check_no_reduce_until_last(rank: int, world: int) -> None:
         raise AssertionError(f"not reduced at the last W: {handle.held_gradients=}")
     assert_grads(full(sharded_grads(model)), reference(world, 2), "held then reduced", bitwise=False)
     handle.remove()
+    if any(fsdp_reduction_handle(model[i]) is not None for i in (1, 3, 4)):
+        raise AssertionError("fsdp_reduction_handle still finds a removed handle")
+
+
+def _check_lookup(model: nn.Sequential, handle) -> None:
+    """``fsdp_reduction_handle``: the handle for every split layer it set up, None for everything else."""
+    found = [fsdp_reduction_handle(model[i]) for i in (1, 3, 4)]
+    if any(h is not handle for h in found):
+        raise AssertionError(f"fsdp_reduction_handle of the split layers: {found}, expected {handle}")
+    # Not trivially passing: a plain torch module, the FSDP2 root, and a split layer that no FSDP2 group
+    # shards (so defer_fsdp_reduction never set it up) have none.
+    others = {"LayerNorm": model[0], "root": model, "unsharded Linear": build(True)[1]}
+    wrong = {name: h for name, m in others.items() if (h := fsdp_reduction_handle(m)) is not None}
+    if wrong:
+        raise AssertionError(f"fsdp_reduction_handle found handles where none was set up: {wrong}")
 
 
 def check_mixed_precision(rank: int, world: int) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ....parallel.group_ref import GroupRef
+from ....distributed.group_ref import GroupRef
 from ...ir.actions import Action, Schedule, Transfer
 from ._header import HEADER_LEN, decode_header, encode_header
 from ._plan import plan_messages

@@ -1,6 +1,6 @@
-"""The single-thread driver of batch-level overlap: one microbatch's forward interleaved, step by step, with
-another's backward (``overlapped_forward_backward(..., driver="steps")``; Megatron-Core's ``combined_1f1b``,
-DualPipe's ``overlapped_forward_backward``).
+"""The driver of batch-level overlap: one microbatch's forward interleaved, step by step, with another's backward
+on one thread (``overlapped_forward_backward``; Megatron-Core's ``combined_1f1b``, DualPipe's
+``overlapped_forward_backward``).
 
 The forward part is a generator of steps (:mod:`splitgrad.core.steps`): each step runs until it has *issued* its
 next dispatch/combine all-to-all and yields with it in flight. The backward part is a plain
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core.steps import child_steps
-from .all_to_all import AllToAll
+from ....core.steps import child_steps
+from ..all_to_all import AllToAll
 from .probe import ThreadProbe
 
 __all__ = ["bind_backward_exchanges", "run_pair_in_steps"]
@@ -165,9 +165,7 @@ def run_pair_in_steps(
         except _ForwardPartError:
             raise
         except Exception as exc:
-            raise RuntimeError(
-                f"overlapped_forward_backward (driver='steps'): the backward part failed: {exc}"
-            ) from exc
+            raise RuntimeError(f"overlapped_forward_backward: the backward part failed: {exc}") from exc
         backward_span = (
             start,
             time.perf_counter(),
@@ -177,9 +175,7 @@ def run_pair_in_steps(
             part.advance()
     except _ForwardPartError as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        raise RuntimeError(
-            f"overlapped_forward_backward (driver='steps'): the forward part failed: {cause}"
-        ) from cause
+        raise RuntimeError(f"overlapped_forward_backward: the forward part failed: {cause}") from cause
     finally:
         for node in bound:
             node.advance_pair = None

@@ -10,16 +10,19 @@ sources and treats them alike:
 
 Either hook adds any ``.grad`` into ``param.main_grad`` (a view into a contiguous per-dtype buffer), drops
 ``.grad``, and records one contribution. A bucket whose parameters have all their expected contributions
-(see :mod:`splitgrad.parallel.readiness`) starts its asynchronous collective at once, overlapping the rest of
+(see :mod:`splitgrad.parallel.data.readiness`) starts its asynchronous collective at once, overlapping the rest of
 backward / ``backward_dw``; collectives are issued in bucket order on every rank, so ranks whose buckets
 complete in different orders still pair them correctly. ``finish_grad_sync()`` waits for all of them.
+
+This file is the wrapper: construction, the forward, the hooks' lifetime, the group, closing. The gradient
+sync itself (buffers, buckets, readiness, zeroing) is a :class:`~splitgrad.parallel.data.grad_sync.GradSync`
+the wrapper owns and forwards to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -28,21 +31,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import ensure_no_pending_wgrad
-from ..core.steps import Steps, child_steps
-from .buckets import Bucket, GradBuffer, build_buffers
+from ...core import ensure_no_pending_wgrad
+from ...core.steps import Steps, child_steps
+from ...distributed.group_ref import GroupRef
+from ...distributed.wait import bounded_wait
+from .buckets import Bucket, GradBuffer
 from .config import DDPConfig
-from .ddp_hooks import detach, install_hooks
 from .grad_sync import GradSync
-from .group_ref import GroupRef
-from .readiness import StepCounts, count_contributions
+from .hooks import detach, install_hooks
 
 __all__ = ["DistributedDataParallel"]
 
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(GradSync, nn.Module):
+class DistributedDataParallel(nn.Module):
     """Wrap ``module`` for data-parallel training with overlapped, wgrad-aware gradient reduction.
 
     Every trainable parameter gets ``param.main_grad``; after :meth:`finish_grad_sync` it holds the
@@ -88,12 +91,13 @@ class DistributedDataParallel(GradSync, nn.Module):
                 "DistributedDataParallel needs torch.distributed initialised (init_process_group)"
             )
         self.module = module
-        # The group is never held (group_ref.py): a reference held past destroy_process_group() keeps the
-        # group alive until interpreter exit, where gloo may abort. The default group (also passed explicitly,
-        # `process_group=dist.group.WORLD`, the common spelling) is looked up at each use, another weakly.
-        self._group: GroupRef | None = GroupRef(process_group, owner="DistributedDataParallel.process_group")
-        self.rank = dist.get_rank(self.process_group)
-        self.world_size = dist.get_world_size(self.process_group)
+        # The group is never held (distributed/group_ref.py): a reference held past destroy_process_group()
+        # keeps the group alive until interpreter exit, where gloo may abort. The default group (also passed
+        # explicitly, `process_group=dist.group.WORLD`, the common spelling) is looked up at each use, another
+        # weakly.
+        group = GroupRef(process_group, owner="DistributedDataParallel.process_group")
+        self.rank = dist.get_rank(group.get())
+        self.world_size = dist.get_world_size(group.get())
         ensure_no_pending_wgrad(module, what="DistributedDataParallel construction")
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -111,54 +115,22 @@ class DistributedDataParallel(GradSync, nn.Module):
                     "call remove_hooks() on the other wrapper first"
                 )
         # Reverse registration order approximates backprop order, so buckets complete front to back.
-        layout = list(reversed(named))
-        self._params = [p for _, p in layout]
-        self._names = [n for n, _ in layout]
-        self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        self._buffers, self._buckets = build_buffers(
-            layout,
-            bucket_size=self.config.resolved_bucket_size,
-            first_bucket_size=self.config.resolved_first_bucket_size,
-            grad_dtype_for={p.dtype: self.config.grad_dtype(p.dtype) for p in self._params},
-            world_size=self.world_size,
+        self.grad_sync = GradSync(
+            list(reversed(named)), config=self.config, group=group, rank=self.rank, world_size=self.world_size
         )
-        bucket_of = [0] * len(self._params)
-        for bucket in self._buckets:
-            for p in bucket.params:
-                bucket_of[self._index_of[id(p)]] = bucket.index
-        self._counts = StepCounts(bucket_of, len(self._buckets))
-        #: Per parameter: its slice already holds this step's gradient divided by grad_divisor.
-        self._predivided = [False] * len(self._params)
-        #: Per parameter: its slice counts as zero but was not zeroed yet (see GradSync.zero_grad_buffer).
-        self._pending_zero = [False] * len(self._params)
-        #: Buffer versions at a lazy zero_grad_buffer(), checked (once) by the next forward; None: not watching.
-        self._stale_watch: list[int] | None = None
-        self._lock = threading.RLock()
-        self._sync = True
-        self._next_bucket = 0
-        self._grads_exposed = False
-        self._exposed: list[torch.Tensor] = []
-        #: Bucket indices in the order their collectives were issued this step (diagnostics, tests).
-        self.launch_order: list[int] = []
-        #: Of the last finished step: the launch order, and how many buckets were already reducing when
-        #: finish_grad_sync() was called (all of them when backward hid every reduction).
-        self.last_launch_order: list[int] = []
-        self.last_launched_early = 0
-        #: The reduced gradient is the sum over the group divided by this (default: the group's size, the
-        #: average). Expert parameters set the dense data-parallel size: their gradient already sums the tokens
-        #: of the whole expert-parallel group (see splitgrad.parallel.expert.ExpertDataParallel).
-        self.grad_divisor = self.world_size
+        """The gradient sync this wrapper drives (buffers, buckets, readiness; see :class:`GradSync`)."""
 
-        # Hooks hold the wrapper weakly (see splitgrad.parallel.ddp_hooks): a strong cycle through C++ would
-        # keep the wrapper, and its process group, alive past destroy_process_group().
+        # Hooks hold the sync weakly (see splitgrad.parallel.data.hooks): a strong cycle through C++ would
+        # keep it, and its process group, alive past destroy_process_group().
+        sync = self.grad_sync
         self._handles = install_hooks(
             module,
-            self._params,
-            self._index_of,
-            on_autograd_grad=self._on_autograd_grad,
-            on_wgrad=self._on_wgrad,
+            sync.params,
+            sync.index_of,
+            on_autograd_grad=sync.on_autograd_grad,
+            on_wgrad=sync.on_wgrad,
         )
-        self._finalizer = weakref.finalize(self, detach, self._handles, self._params)
+        self._finalizer = weakref.finalize(self, detach, self._handles, sync.params)
         self._finalizer.atexit = False
         if self.config.broadcast_at_init:
             self.broadcast_params()
@@ -168,18 +140,41 @@ class DistributedDataParallel(GradSync, nn.Module):
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group (the default group, looked up now, when none was given); None once closed."""
-        if self._closed:
-            return None
-        return None if self._group is None else self._group.get()
+        return None if self._closed else self.grad_sync.process_group
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
         """The buckets, in the order their collectives are issued."""
-        return tuple(self._buckets)
+        return tuple(self.grad_sync.buckets)
 
     @property
     def grad_buffers(self) -> tuple[GradBuffer, ...]:
-        return tuple(self._buffers)
+        """The contiguous gradient buffers, one per ``(device, dtype)``."""
+        return tuple(self.grad_sync.buffers)
+
+    @property
+    def launch_order(self) -> list[int]:
+        """Bucket indices in the order their collectives were issued this step."""
+        return self.grad_sync.launch_order
+
+    @property
+    def last_launch_order(self) -> list[int]:
+        """:attr:`launch_order` of the last finished step."""
+        return self.grad_sync.last_launch_order
+
+    @property
+    def last_launched_early(self) -> int:
+        """Of the last finished step: buckets already reducing when :meth:`finish_grad_sync` was called."""
+        return self.grad_sync.last_launched_early
+
+    @property
+    def grad_divisor(self) -> int:
+        """The reduced gradient is the sum over the group divided by this (default: the group's size)."""
+        return self.grad_sync.grad_divisor
+
+    @grad_divisor.setter
+    def grad_divisor(self, value: int) -> None:
+        self.grad_sync.grad_divisor = value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.module(*args, **kwargs)`` and count the gradient contributions its graph implies."""
@@ -203,16 +198,7 @@ class DistributedDataParallel(GradSync, nn.Module):
                 wrapper was closed.
         """
         self._check_open("forward")
-        if self._next_bucket and torch.is_grad_enabled():
-            raise RuntimeError(
-                "DistributedDataParallel.forward: gradients of the previous backward are already being reduced "
-                f"(buckets {self.launch_order} launched); call finish_grad_sync() before the next step, or run "
-                "all but the last microbatch inside no_sync()"
-            )
-        if self._stale_watch is not None:
-            self._check_stale_watch()
-        if self._grads_exposed:
-            self._take_back_grads()
+        self.grad_sync.begin_forward()
 
     def expect_backward(self, outputs: Any) -> None:
         """Count the gradient contributions that backward over ``outputs`` (one forward's result) will bring.
@@ -220,13 +206,7 @@ class DistributedDataParallel(GradSync, nn.Module):
         :meth:`forward` calls it; a wrapper that runs the module once for several data-parallel wrappers (one
         per parameter group, e.g. expert and dense parameters) calls :meth:`begin_forward` and this on each.
         """
-        if torch.is_grad_enabled():
-            skip = [bool(getattr(p, "skip_backward_post_hook", False)) for p in self._params]
-            self._zero_pending_written_by_layers(skip)
-            counts = count_contributions(outputs, self._index_of, skip)
-            if counts:
-                with self._lock:
-                    self._counts.add_expected(counts)
+        self.grad_sync.expect_backward(outputs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -236,31 +216,64 @@ class DistributedDataParallel(GradSync, nn.Module):
         deferred weight gradient of an earlier microbatch that runs after the block (zero-bubble schedules)
         still delays its bucket until it has arrived.
         """
-        previous, self._sync = self._sync, False
-        try:
+        with self.grad_sync.no_sync():
             yield
-        finally:
-            self._sync = previous
+
+    def finish_grad_sync(self) -> None:
+        """Issue the collectives not started yet, wait for all, leave the average in every ``main_grad``.
+
+        Raises:
+            RuntimeError: inside :meth:`no_sync`; while weight-gradient work is pending; when a parameter
+                received no gradient this step (unless ``allow_unused_parameters``); when a collective fails
+                or times out.
+        """
+        self._check_open("finish_grad_sync()")
+        if not self.grad_sync.syncing:
+            raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside no_sync()")
+        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.finish_grad_sync()")
+        self.grad_sync.finish()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad``, drop ``.grad``, and start a new step (waits for in-flight reductions).
+
+        With ``lazy_zero`` (default) only the slices a layer writes into itself (``skip_backward_post_hook``)
+        are zeroed now; every other slice is *marked* zero: the wrapper writes the parameter's first gradient
+        over it, and zeroes what is still marked when its bucket is reduced (so after
+        :meth:`finish_grad_sync` every ``main_grad`` is right). torch DDP zeroes nothing either (a new
+        ``.grad`` each step); a pass over every buffer was a third of the wrapper's CPU cost per step.
+        """
+        self._check_open("zero_grad_buffer()")
+        ensure_no_pending_wgrad(self.module, what="DistributedDataParallel.zero_grad_buffer()")
+        self.grad_sync.zero()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Same as :meth:`zero_grad_buffer` (``set_to_none`` is accepted for ``nn.Module`` compatibility)."""
+        del set_to_none
+        self.zero_grad_buffer()
+
+    def local_grad_shards(self) -> list[torch.Tensor]:
+        """Per bucket, the ``(numel / world_size,)`` shard this rank owns (averaged after a reduce-scatter)."""
+        return [b.shard(self.rank, self.world_size) for b in self.grad_sync.buckets]
 
     def broadcast_params(self) -> None:
         """Copy parameters and buffers of the group's rank 0 to every rank."""
         self._check_open("broadcast_params()")
-        src = dist.get_global_rank(self.process_group, 0)
+        group = self.process_group
+        src = dist.get_global_rank(group, 0)
         tensors = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
-        works = [dist.broadcast(t, src=src, group=self.process_group, async_op=True) for t in tensors]
-        timeout = self.config.wait_timeout
+        works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
         for work in works:
-            try:
-                work.wait() if timeout is None else work.wait(timeout=timeout)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"DistributedDataParallel.broadcast_params: broadcast from rank {src} did not complete on "
-                    f"rank {self.rank} ({exc}); did every rank construct the wrapper / call broadcast_params()?"
-                ) from exc
+            bounded_wait(
+                work,
+                f"DistributedDataParallel.broadcast_params: broadcast from rank {src}",
+                timeout=self.config.wait_timeout,
+                group=group,
+                hint="did every rank construct the wrapper / call broadcast_params()?",
+            )
 
     def remove_hooks(self) -> None:
         """Detach from the module: remove every hook and the ``main_grad`` attributes."""
-        detach(self._handles, self._params)
+        detach(self._handles, self.grad_sync.params)
         # Nothing left to clean up when the wrapper dies; running later, the finalizer would strip the
         # main_grad of a wrapper built on these parameters since.
         self._finalizer.detach()
@@ -284,25 +297,9 @@ class DistributedDataParallel(GradSync, nn.Module):
         if self._closed:
             return
         self._closed = True
-        first_error: RuntimeError | None = None
-        with self._lock:
-            in_flight = [b.index for b in self._buckets if b.in_flight]
-            if in_flight:
-                logger.warning(
-                    "rank %d: DistributedDataParallel.close() with bucket(s) %s still reducing "
-                    "(finish_grad_sync() was not called): waiting for them; their averages stay in the "
-                    "gradient buffers, not in .grad",
-                    self.rank,
-                    in_flight,
-                )
-            for bucket in self._buckets:
-                if bucket.in_flight:
-                    try:
-                        bucket.wait(self.config.wait_timeout, rank=self.rank)
-                    except RuntimeError as exc:
-                        first_error = first_error or exc
-            self.remove_hooks()
-            self._group = None
+        first_error = self.grad_sync.wait_in_flight()
+        self.remove_hooks()
+        self.grad_sync.release()
         if first_error is not None:
             raise first_error
 
@@ -318,6 +315,7 @@ class DistributedDataParallel(GradSync, nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"world_size={self.world_size}, params={len(self._params)}, buckets={len(self._buckets)}, "
-            f"overlap_grad_reduce={self.config.overlap_grad_reduce}, reduce_scatter={self.config.reduce_scatter}"
+            f"world_size={self.world_size}, params={len(self.grad_sync.params)}, "
+            f"buckets={len(self.grad_sync.buckets)}, overlap_grad_reduce={self.config.overlap_grad_reduce}, "
+            f"reduce_scatter={self.config.reduce_scatter}"
         )

@@ -1,8 +1,8 @@
 """One validated description of a layer's tensor parallelism (TE's ``tp_group``/``tp_size``/``parallel_mode``).
 
 Every tensor-parallel layer turns its constructor keywords into a :class:`TensorParallelConfig` here, so the
-rules (and their error messages) exist once. It lives in ``functional/`` rather than ``parallel/`` because
-``module/`` needs it and dependencies point ``functional -> module -> parallel``; ``splitgrad.parallel.tensor``
+rules (and their error messages) exist once. It lives in ``distributed/`` rather than ``parallel/`` because
+``module/`` needs it and dependencies point ``distributed -> module -> parallel``; ``splitgrad.parallel.tensor``
 re-exports it.
 """
 

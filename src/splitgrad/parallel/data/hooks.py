@@ -1,8 +1,8 @@
-"""The wrapper's hooks: installed on parameters and wgrad stores, holding the wrapper only weakly.
+"""The wrapper's hooks: installed on parameters and wgrad stores, holding their target only weakly.
 
 The hooks live on the parameters and stores, which the wrapper reaches through its module: a hook holding the
-wrapper strongly makes a cycle through C++ (the parameters' hook tables) that Python's gc cannot see, so the
-wrapper, and with it the process group, would never be freed. The group then outlives
+wrapper's gradient sync strongly makes a cycle through C++ (the parameters' hook tables) that Python's gc
+cannot see, so the wrapper, and with it the process group, would never be freed. The group then outlives
 destroy_process_group() and gloo aborts the process at exit. So every hook holds a weak reference.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..core import split_modules
+from ...core import split_modules
 
 __all__ = ["detach", "install_hooks", "weak_hook"]
 

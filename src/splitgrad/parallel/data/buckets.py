@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed.wait import bounded_wait
+
 __all__ = ["Bucket", "GradBuffer", "build_buffers"]
 
 logger = logging.getLogger(__name__)
@@ -172,22 +174,27 @@ class Bucket:
             self._work = dist.all_reduce(self.data, op=op, group=group, async_op=True)
         self.launched = True
 
-    def wait(self, timeout: datetime.timedelta | None, *, rank: int) -> None:
-        """Block until the collective finished (at most ``timeout``; None: the group's own timeout)."""
+    def wait(self, timeout: datetime.timedelta | None, *, group: dist.ProcessGroup | None) -> None:
+        """Block until the collective finished (at most ``timeout``; None: the group's own timeout).
+
+        Args:
+            timeout: the limit.
+            group: the group the collective runs on (for the rank in an error message).
+
+        Raises:
+            RuntimeError: never launched; or the collective failed or timed out (names the bucket and the rank).
+        """
         if self._work is None:
             raise RuntimeError(f"bucket {self.index} ({self.describe()}) was never launched")
         work, self._work = self._work, None  # a failed collective is abandoned, not waited for twice
-        try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=timeout)
-        except Exception as exc:
-            raise RuntimeError(
-                f"DistributedDataParallel: the gradient reduction of bucket {self.index} ({self.describe()}) "
-                f"did not complete on rank {rank} ({exc}). A peer rank probably never issued it: it ran a "
-                "different number of backward passes, skipped finish_grad_sync(), or crashed."
-            ) from exc
+        bounded_wait(
+            work,
+            f"DistributedDataParallel: the gradient reduction of bucket {self.index} ({self.describe()})",
+            timeout=timeout,
+            group=group,
+            hint="a peer rank probably never issued it: it ran a different number of backward passes, skipped "
+            "finish_grad_sync(), or crashed",
+        )
         if self._post_divide:
             self.data.div_(self._post_divide)
 

@@ -7,12 +7,11 @@ activations are sequence-first ``(s, b, h)``: gathers and scatters work on dim 0
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 from .tp_config import TensorParallelConfig
+from .wait import bounded_wait
 
 __all__ = [
     "PendingCollective",
@@ -30,25 +29,25 @@ _SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_t
 class PendingCollective:
     """A collective's result, ready after :meth:`wait` (at once when it ran synchronously)."""
 
-    __slots__ = ("_result", "_timeout_s", "_what", "_work")
+    __slots__ = ("_cfg", "_result", "_what", "_work")
 
-    def __init__(self, result: torch.Tensor, work: dist.Work | None, what: str, timeout_s: float) -> None:
-        self._result, self._work, self._what, self._timeout_s = result, work, what, timeout_s
+    def __init__(
+        self, result: torch.Tensor, work: dist.Work | None, what: str, cfg: TensorParallelConfig
+    ) -> None:
+        self._result, self._work, self._what, self._cfg = result, work, what, cfg
 
     def wait(self) -> torch.Tensor:
         """Block until done and return the result.
 
         Raises:
-            RuntimeError: naming the collective, when it failed or did not finish within the timeout.
+            RuntimeError: naming the collective, the rank and the limit (``cfg.timeout_s``), when it failed or
+                did not finish in time.
         """
         if self._work is not None:
             work, self._work = self._work, None
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
-            except RuntimeError as exc:  # gloo and NCCL report timeouts and peer failures as RuntimeError
-                raise RuntimeError(
-                    f"tensor-parallel {self._what} failed or did not finish within {self._timeout_s:g} s: {exc}"
-                ) from exc
+            bounded_wait(
+                work, f"tensor-parallel {self._what}", timeout=self._cfg.timeout_s, group=self._cfg.group
+            )
         return self._result
 
 
@@ -68,9 +67,7 @@ def all_gather_dim0(
     x = x.contiguous()
     out = torch.empty((cfg.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _GATHER(out, x, group=cfg.group, async_op=async_op)
-    return PendingCollective(
-        out, work if async_op else None, f"all-gather of {tuple(x.shape)}", cfg.timeout_s
-    )
+    return PendingCollective(out, work if async_op else None, f"all-gather of {tuple(x.shape)}", cfg)
 
 
 def reduce_scatter_dim0(
@@ -85,13 +82,11 @@ def reduce_scatter_dim0(
     x = x.contiguous()
     out = torch.empty((x.shape[0] // cfg.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = _SCATTER(out, x, group=cfg.group, async_op=async_op)
-    return PendingCollective(
-        out, work if async_op else None, f"reduce-scatter of {tuple(x.shape)}", cfg.timeout_s
-    )
+    return PendingCollective(out, work if async_op else None, f"reduce-scatter of {tuple(x.shape)}", cfg)
 
 
 def all_reduce(x: torch.Tensor, cfg: TensorParallelConfig, *, async_op: bool = False) -> PendingCollective:
     """Sum ``x`` (any shape) over the ranks, in place on a contiguous ``x``; returns it."""
     x = x.contiguous()
     work = dist.all_reduce(x, group=cfg.group, async_op=async_op)
-    return PendingCollective(x, work if async_op else None, f"all-reduce of {tuple(x.shape)}", cfg.timeout_s)
+    return PendingCollective(x, work if async_op else None, f"all-reduce of {tuple(x.shape)}", cfg)

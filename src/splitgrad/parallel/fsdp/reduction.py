@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..core import is_split_capable
+from ...core import is_split_capable
 from ._fsdp2_private import (
     check_supported,
     fsdp_param_groups,
@@ -42,9 +42,9 @@ from ._fsdp2_private import (
     unsharded_on_module,
     unsharded_param,
 )
-from ._fsdp_async import BackgroundReducer
+from .background import BackgroundReducer
 
-__all__ = ["FSDPReductionHandle", "ReductionMode", "defer_fsdp_reduction"]
+__all__ = ["FSDPReductionHandle", "ReductionMode", "defer_fsdp_reduction", "fsdp_reduction_handle"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ ReductionMode = Literal["last_w", "finish", "async"]
 _MODES = ("last_w", "finish", "async")
 _MAX_EVENTS = 1024
 _FLAG_SETTERS = ("set_requires_gradient_sync", "set_requires_all_reduce")
+# Where a set-up split layer records its handle (read only through fsdp_reduction_handle).
+_HANDLE_ATTR = "_splitgrad_fsdp_reduction"
 
 
 class _DeferredGroup:
@@ -227,7 +229,7 @@ class FSDPReductionHandle:
         self._handles = []
         for g in self._groups:
             for layer in g.layers:
-                layer.__dict__.pop("_splitgrad_fsdp_deferred", None)
+                layer.__dict__.pop(_HANDLE_ATTR, None)
         self._groups = []
 
 
@@ -296,7 +298,6 @@ def defer_fsdp_reduction(
     groups: dict[int, _DeferredGroup] = {}
     handles: list = []
     plans = []
-    layers_by_handle: list[nn.Module] = []
     for layer_name, layer in model.named_modules():
         if not is_split_capable(layer) or not isinstance(layer, nn.Module):
             continue
@@ -319,7 +320,7 @@ def defer_fsdp_reduction(
                 f"defer_fsdp_reduction: {label} has fuse_wgrad_accumulation=True; under FSDP2 gradients live "
                 "in FSDP2's sharded .grad (there is no main_grad buffer). Use fuse_wgrad_accumulation=False"
             )
-        if layer.__dict__.get("_splitgrad_fsdp_deferred"):
+        if fsdp_reduction_handle(layer) is not None:
             raise ValueError(f"defer_fsdp_reduction: {label} is already set up (remove the first handle)")
         fsdp_name, group, params = found[0]
         plans.append((layer, group, params, fsdp_name))
@@ -331,8 +332,7 @@ def defer_fsdp_reduction(
                 group, fsdp_name or type(model).__name__, result._on_ready
             )
         deferred.layers.append(layer)
-        layer.__dict__["_splitgrad_fsdp_deferred"] = True
-        layers_by_handle.append(layer)
+        layer.__dict__[_HANDLE_ATTR] = result
         handles.append(
             layer.wgrad_store.compute_contexts.register(
                 lambda layer=layer, params=params: unsharded_on_module(layer, params)
@@ -361,11 +361,25 @@ def defer_fsdp_reduction(
         "defer_fsdp_reduction: %d split layers in %d FSDP2 groups (%s)", len(plans), len(groups), mode
     )
     result._groups, result._handles = list(groups.values()), handles
-    for layer in layers_by_handle:
-        layer.__dict__["_splitgrad_fsdp_deferred"] = (
-            result  # found by the torch.distributed.pipelining adapter
-        )
     return result
+
+
+def fsdp_reduction_handle(layer: nn.Module) -> FSDPReductionHandle | None:
+    """The handle of the :func:`defer_fsdp_reduction` call that manages ``layer``'s deferred gradients.
+
+    For code that drives FSDP2's reduction itself and must first take the deferred gradients back from
+    splitgrad (``handle.release_to_fsdp()``), such as the ``torch.distributed.pipelining`` adapter's
+    ``REDUCE_GRAD``.
+
+    Args:
+        layer: a module, usually a split layer (``splitgrad.Linear``, an op, ...).
+
+    Returns:
+        The handle, or None: ``layer`` is not a split layer inside a ``fully_shard``-ed group that
+        :func:`defer_fsdp_reduction` set up, or that handle was removed (``handle.remove()``).
+    """
+    handle = layer.__dict__.get(_HANDLE_ATTR)
+    return handle if isinstance(handle, FSDPReductionHandle) else None
 
 
 def _own_reduce_scatter_group(fsdp_modules: list[tuple[str, nn.Module]]) -> None:

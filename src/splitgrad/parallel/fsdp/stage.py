@@ -1,6 +1,6 @@
 """A ``fully_shard``-ed pipeline stage for splitgrad's pipeline runtime: its reduce-scatter is the ``RF`` action.
 
-The runtime (:mod:`splitgrad.pipeline.runtime`) treats a stage module with ``no_sync()`` and
+The runtime (:mod:`splitgrad.pipeline`) treats a stage module with ``no_sync()`` and
 ``finish_grad_sync()`` as data parallel: it runs the stage's actions inside ``no_sync()`` until the
 schedule's ``R`` point (just before the stage's last B), and calls ``finish_grad_sync()`` at ``RF``. For FSDP2
 ``no_sync()`` is ``set_requires_gradient_sync(False)``; FSDP2 reduce-scatters the stage's autograd-written
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from .fsdp import defer_fsdp_reduction
+from .reduction import defer_fsdp_reduction
 
 __all__ = ["FSDPStage"]
 

@@ -1,4 +1,4 @@
-"""Every code block in README.md and docs/*.md runs as written.
+"""Every code block in README.md, CONTRIBUTING.md and docs/*.md runs as written.
 
 Why: documentation is the newcomer's first program. A ```python block runs in a fresh namespace in a scratch
 directory; one preceded by ``<!-- run: ranks=N -->`` runs as a script under ``torchrun --nproc-per-node N``
@@ -25,7 +25,7 @@ import splitgrad
 
 ROOT = Path(__file__).resolve().parents[1]
 _SRC = str(Path(splitgrad.__file__).resolve().parents[1])
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "text"}
 MAX_NOT_RUN = 2  # exclusions stay rare; raising this needs a reason in the docs *and* a review
 _FENCE = re.compile(r"^```(\S*)\s*$")

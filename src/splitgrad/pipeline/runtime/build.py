@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel.group_ref import GroupRef
+from ...distributed.group_ref import GroupRef
 from ..ir.actions import Schedule
 from .executor import LossFn
 from .pipeline_runtime import PipelineRuntime
 from .setup import resolve_pipeline_rank
 
 if TYPE_CHECKING:
-    from ...parallel.config import DDPConfig
+    from ...parallel import DDPConfig
 
 __all__ = ["PipelineGroups", "build_runtime", "pipeline_groups", "sequential_stages"]
 

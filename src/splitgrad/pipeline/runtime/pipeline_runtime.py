@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel.group_ref import GroupRef
+from ...distributed.group_ref import GroupRef
 from ..ir.actions import ActionKind, Schedule
 from ..ir.validate import validate
 from ..timeline.events import TimelineEvent
@@ -94,7 +94,7 @@ class PipelineRuntime:
         if check_schedule:
             validate(schedule)
         self.rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
-        # Looked up at use, never held (parallel/group_ref.py): a runtime left in the user's globals must not
+        # Looked up at use, never held (distributed/group_ref.py): a runtime left in the user's globals must not
         # keep the group's gloo workers alive past destroy_process_group().
         self._pp_group = GroupRef(pp_group, owner="PipelineRuntime.pp_group")
         self.loss_fn, self.timeout, self.broadcast_loss = loss_fn, float(timeout), broadcast_loss

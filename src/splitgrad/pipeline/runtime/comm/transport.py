@@ -80,7 +80,7 @@ class PipelineComm:
     ) -> None:
         self.schedule = schedule
         self.rank = rank
-        # Looked up at use (parallel/group_ref.py): the transport must not keep the group alive past
+        # Looked up at use (distributed/group_ref.py): the transport must not keep the group alive past
         # destroy_process_group().
         self._group = GroupRef(group, owner="PipelineComm.group")
         self.device = device

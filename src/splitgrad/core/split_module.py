@@ -23,6 +23,11 @@ from torch.utils.hooks import RemovableHandle
 
 from .bundle import active_bundle
 from .compile import apply_outside_compile
+from .placeholder import (
+    show_placeholder_grads,
+    take_back_placeholder_grads,
+    take_back_placeholder_grads_after_backward,
+)
 from .routing import WgradRoute, wgrad_route
 from .store import WeightGradStore
 from .task import WgradTask
@@ -179,12 +184,38 @@ class SplitModule(nn.Module):
             )
         out = list(gradients(now)) if any(now) else [None] * n
         if any(owed):
-            task = WgradTask(lambda: write(owed), store=self.wgrad_store, label=self._describe, saved=saved)
+            task = self._wgrad_task(write, owed, params, saved)
             if self.need_backward_dw():
                 self.wgrad_store.defer(task)
             else:
                 task.run()
         return out
+
+    def _wgrad_task(
+        self,
+        write: WriteFn,
+        owed: tuple[bool, ...],
+        params: Sequence[nn.Parameter | None],
+        saved: Sequence[torch.Tensor],
+    ) -> WgradTask:
+        """The task writing the ``owed`` gradients; a fused layer's also shows Megatron-style consumers a
+        placeholder ``.grad`` while they look (:mod:`splitgrad.core.placeholder`): from its writes until after
+        its hooks for deferred work, until the end of the backward for work done inside it (consumers that
+        hook the AccumulateGrad node read it after this backward)."""
+        if not self.fuse_wgrad_accumulation:
+            return WgradTask(lambda: write(owed), store=self.wgrad_store, label=self._describe, saved=saved)
+        written = [p for p, o in zip(params, owed) if o]
+
+        def compute() -> None:
+            write(owed)
+            show_placeholder_grads(written)
+
+        deferred = self.need_backward_dw()
+        release = take_back_placeholder_grads if deferred else take_back_placeholder_grads_after_backward
+        return WgradTask(
+            compute, store=self.wgrad_store, label=self._describe, saved=saved,
+            finish=functools.partial(release, written),
+        )  # fmt: skip
 
     # -- TE's public contract ------------------------------------------------------------------------------
     def need_backward_dw(self) -> bool:

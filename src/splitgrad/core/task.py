@@ -30,9 +30,12 @@ class WgradTask:
         saved: tensors ``compute`` reads; their version counters are recorded now and checked before
             running, so an in-place change between backward and ``backward_dw`` is an error, not a silently
             wrong gradient.
+        finish: called once after the hooks fired (also when one raised, and right after ``compute`` with
+            ``fire_hooks=False``): takes back what ``compute`` left for the hooks only (the placeholder
+            ``.grad`` of :mod:`splitgrad.core.placeholder`).
     """
 
-    __slots__ = ("_compute", "_holder", "_label", "_lock", "_state", "_versions", "store")
+    __slots__ = ("_compute", "_finish", "_holder", "_label", "_lock", "_state", "_versions", "store")
 
     def __init__(
         self,
@@ -41,8 +44,10 @@ class WgradTask:
         store: WeightGradStore,
         label: str | Callable[[], str] = "",
         saved: Sequence[torch.Tensor] = (),
+        finish: Callable[[], None] | None = None,
     ) -> None:
         self._compute = compute
+        self._finish = finish
         self.store = store
         self._label = label or store.name
         self._versions = [(t, t._version) for t in saved]
@@ -122,8 +127,13 @@ class WgradTask:
         self._compute = _ran
         self._versions = []
         self._settle()
-        if fire_hooks:
-            self.store.hooks.fire()
+        finish, self._finish = self._finish, None
+        try:
+            if fire_hooks:
+                self.store.hooks.fire()
+        finally:
+            if finish is not None:
+                finish()
 
     def _check_versions(self) -> None:
         for i, (tensor, version) in enumerate(self._versions):
@@ -150,6 +160,7 @@ class WgradTask:
                 return
             self._state = "discarded"
         self._compute = _ran
+        self._finish = None
         self._versions = []
         holder, self._holder = self._holder, None
         if isinstance(holder, WgradClaim):

@@ -1,0 +1,13 @@
+"""Other people's frameworks, each in its own module that imports its package lazily (only when called), each
+tested against the real package in CI:
+
+* :mod:`~splitgrad.integrations.megatron` -- Megatron-Core's ``DistributedDataParallel`` around splitgrad
+  layers (:func:`~splitgrad.integrations.megatron.check_ddp`), and Megatron's interleaved pipeline order as a
+  splitgrad :class:`~splitgrad.pipeline.Schedule`;
+* :mod:`~splitgrad.integrations.dualpipe` -- DeepSeek's DualPipe: splitgrad layers put their weight-gradient
+  work into DualPipe's ``WeightGradStore``.
+
+See docs/integrations.md.
+"""
+
+from __future__ import annotations

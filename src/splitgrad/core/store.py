@@ -40,7 +40,8 @@ CLAIM_KINDS = ("bundle", "graph")
 
 
 class WgradHooks:
-    """An ordered set of zero-argument callables fired after each completed weight-gradient task.
+    """An ordered set of callables, fired in registration order with the arguments :meth:`fire` is given
+    (none for the hooks fired after each completed weight-gradient task).
 
     ``register`` returns a :class:`torch.utils.hooks.RemovableHandle`, the same handle type as
     ``nn.Module.register_forward_hook``, so callers can ``handle.remove()`` (TE returns nothing).
@@ -49,17 +50,17 @@ class WgradHooks:
     def __init__(self) -> None:
         self._hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
-    def register(self, hook: Callable[[], None]) -> RemovableHandle:
+    def register(self, hook: Callable[..., None]) -> RemovableHandle:
         if not callable(hook):
-            raise TypeError(f"wgrad hook must be callable with no arguments, got {type(hook).__name__}")
+            raise TypeError(f"wgrad hook must be callable, got {type(hook).__name__}")
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
 
-    def fire(self) -> None:
+    def fire(self, *args: object) -> None:
         # Snapshot: a hook may remove itself (or another) while we iterate.
         for hook in list(self._hooks.values()):
-            hook()
+            hook(*args)
 
     def __len__(self) -> int:
         return len(self._hooks)
@@ -147,6 +148,10 @@ class WeightGradStore:
         # Context-manager factories entered around every task's compute (after its checks, before any write):
         # a sharding wrapper uses one to put the parameter the task writes back on the owner (FSDP2 glue).
         self.compute_contexts = WgradHooks()
+        #: ``listener(task)`` for every task :meth:`defer` queues (not one a capture bundle takes): a scheduler
+        #: that runs weight-gradient work on its own clock takes it from here (DeepSeek's DualPipe, through
+        #: splitgrad.integrations.dualpipe). The task stays queued, and owed, until it runs.
+        self.on_queued = WgradHooks()
         self._queue: deque[WgradTask] = deque()
         self._claims = dict.fromkeys(CLAIM_KINDS, 0)
         # Reentrant: a bundle garbage-collected while this thread holds the lock hands its tasks back here.
@@ -190,10 +195,12 @@ class WeightGradStore:
 
     # -- the queue --------------------------------------------------------------------------------------
     def defer(self, task: WgradTask) -> None:
-        """Park ``task``: in the innermost active :func:`~splitgrad.capture_wgrad` bundle if any, else queue it."""
+        """Park ``task``: in the innermost active :func:`~splitgrad.capture_wgrad` bundle if any, else queue it
+        (then :attr:`on_queued` is told)."""
         bundle = CAPTURES.top()  # the innermost open capture_wgrad bundle, if any
         if bundle is None:
             self._enqueue(task)
+            self.on_queued.fire(task)
         else:
             bundle._append(task)
 

@@ -29,6 +29,7 @@ from torch import nn
 import splitgrad
 from splitgrad.integrations.megatron import check_ddp
 from splitgrad.testing import AllocationTracker, assert_grads_close, main_grads, plain_autograd_grads
+from tests.helpers import expect_error
 
 from .runner import run_named
 
@@ -204,11 +205,12 @@ def check_wrong_reference_is_rejected(rank: int, world: int, groups: list) -> No
     want = reference(world, 0, *MODES["delayed_fused"])
     first = next(iter(want))
     want[first] = want[first] * (1 - 1e-9)
-    try:
-        assert_grads_close(main_grads(ddp.module), want, rtol=1e-12, atol=1e-14, what="perturbed")
-    except AssertionError:
-        return
-    raise AssertionError("a reference off by 1e-9 (relative) was accepted")
+    got = main_grads(ddp.module)
+    expect_error(
+        AssertionError,
+        "perturbed",
+        lambda: assert_grads_close(got, want, rtol=1e-12, atol=1e-14, what="perturbed"),
+    )
 
 
 def check_late_hooks_refused(rank: int, world: int, groups: list) -> None:
@@ -216,12 +218,7 @@ def check_late_hooks_refused(rank: int, world: int, groups: list) -> None:
     deferred gradients (Megatron's hook ran before ``backward_dw`` wrote them)."""
     model = build_model(*MODES["delayed"])
     ddp = megatron_ddp(model, groups, overlap=False, delay=False)
-    try:
-        check_ddp(ddp)
-    except ValueError as err:
-        assert "delay_wgrad_compute=True" in str(err), err
-    else:
-        raise AssertionError("check_ddp accepted delayed layers under ddp_config.delay_wgrad_compute=False")
+    expect_error(ValueError, "delay_wgrad_compute=True", lambda: check_ddp(ddp))
     run_step(ddp, model, batches(rank, 0), deferred=True, grouped=False)
     got, want = main_grads(ddp.module), reference(world, 0, *MODES["delayed"])
     lost = [n for n in want if n.endswith("weight") and not torch.allclose(got[n], want[n])]
@@ -239,20 +236,10 @@ def check_nested_hooks_refused(rank: int, world: int, groups: list) -> None:
         splitgrad.ops.BasicLinear(16, 8, delay_wgrad_compute=True, accumulate_into_main_grad=True, dtype=F64)
     )
     ddp = megatron_ddp(model, groups, overlap=True, delay=True)
-    try:
-        check_ddp(ddp)
-    except ValueError as err:
-        assert "0.weight" in str(err), err
-    else:
-        raise AssertionError("check_ddp accepted a parameter hooked on two modules")
+    expect_error(ValueError, "0.weight", lambda: check_ddp(ddp))
     ddp.zero_grad_buffer()
     ddp(batches(rank, 0)[0]).square().mean().backward()
-    try:
-        splitgrad.backward_dw(model)
-    except AssertionError as err:
-        assert "param.grad being None" in str(err), err
-    else:
-        raise AssertionError("Megatron accepted a hook fired twice per backward_dw")
+    expect_error(AssertionError, "param.grad being None", lambda: splitgrad.backward_dw(model))
     splitgrad.discard_wgrad(model)
 
 

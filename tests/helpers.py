@@ -12,7 +12,11 @@ test comparing gradients must read them the way the library writes them, so ther
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import splitgrad
@@ -25,6 +29,8 @@ __all__ = [
     "grads",
     "make_graphed",
     "one_rank_group",
+    "rank_failures",
+    "run_named",
 ]
 
 
@@ -149,3 +155,35 @@ def expect_error(exc_type: type[BaseException], text: str, fn) -> None:
             raise AssertionError(f"expected {exc_type.__name__} mentioning {text!r}, got: {exc}") from exc
     else:
         raise AssertionError(f"expected {exc_type.__name__} mentioning {text!r}; nothing was raised")
+
+
+def run_named(table: dict[str, Callable[[], None]], names: list[str]) -> dict[str, str | None]:
+    """Inside spawned ranks: ``{name: None (passed) | traceback}`` for ``table[name]()`` of each name, in order.
+
+    One spawn runs many checks (start-up and imports paid once), each reported as its own pytest test through
+    :func:`rank_failures`. Ranks agree after every check whether to go on, so one rank's failure cannot leave
+    another waiting in a collective its peer never reaches; the checks after a failure are reported as not run.
+    """
+    results: dict[str, str | None] = {}
+    failed: str | None = None
+    for name in names:
+        if failed is not None:
+            results[name] = f"not run: {failed} failed first"
+            continue
+        try:
+            table[name]()
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            failed = name
+    return results
+
+
+def rank_failures(results: list[dict[str, str | None]], name: str) -> str:
+    """The failures of check ``name`` over all ranks' :func:`run_named` results (empty when it passed)."""
+    return "\n".join(
+        f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(results) if res[name] is not None
+    )

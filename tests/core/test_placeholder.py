@@ -158,3 +158,51 @@ def test_no_weight_sized_allocation_per_step():
             HandsOver.apply(torch.randn(4, 48, dtype=F64), w, detach).sum().backward()
         assert (tracker.largest_bytes >= weight_bytes) is cloned, tracker.allocations
         assert (w.grad.data_ptr() == cached.data_ptr()) is not cloned
+
+
+def _fused_layers() -> dict[str, tuple[torch.nn.Module, tuple]]:
+    """Every kind of layer that fuses into ``main_grad`` (one shared write path, so one convention)."""
+    x, xg = torch.randn(4, 8, dtype=F64), torch.randn(5, 8, dtype=F64)
+    split = {"delay_wgrad_compute": True}
+    return {
+        "Linear": (splitgrad.Linear(8, 6, fuse_wgrad_accumulation=True, params_dtype=F64, **split), (x,)),
+        "LayerNormMLP": (
+            splitgrad.LayerNormMLP(8, 12, fuse_wgrad_accumulation=True, params_dtype=F64, **split),
+            (x,),
+        ),
+        "GroupedLinear": (
+            splitgrad.GroupedLinear(2, 8, 6, fuse_wgrad_accumulation=True, params_dtype=F64, **split),
+            (xg, [2, 3]),
+        ),
+        "ops.BasicLinear": (
+            splitgrad.ops.BasicLinear(8, 6, accumulate_into_main_grad=True, dtype=F64, **split),
+            (x,),
+        ),
+        "ops.GroupedLinear": (
+            splitgrad.ops.GroupedLinear(2, 8, 6, accumulate_into_main_grad=True, dtype=F64, **split),
+            (xg, [2, 3]),
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_fused_layers()))
+def test_every_fused_layer_shows_its_weights_a_placeholder(kind):
+    """Modules and ops, grouped or not: each fused weight shows its hook a placeholder, then none; its
+    ``main_grad`` got the gradient and nothing else changed."""
+    torch.manual_seed(0)
+    layer, args = _fused_layers()[kind]
+    weights = [p for p in layer.parameters() if p.dim() == 2]
+    for p in weights:
+        p.main_grad = torch.zeros_like(p)
+        p.grad_added_to_main_grad = False
+    seen: list = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(
+        lambda: seen.append([is_placeholder_grad(p.grad) and p.grad_added_to_main_grad for p in weights])
+    )
+    out = layer(*args)
+    (out[0] if isinstance(out, tuple) else out).square().sum().backward()
+    assert all(p.grad is None for p in weights)  # nothing shown before the write
+    splitgrad.backward_dw(layer)
+    assert seen and all(all(s) for s in seen), seen
+    assert all(p.grad is None for p in weights)
+    assert all(p.main_grad.abs().sum() > 0 for p in weights)

@@ -26,9 +26,7 @@ from splitgrad.integrations import dualpipe as bridge
 from splitgrad.pipeline import build_runtime, pipeline_groups
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import assert_grads_close, make_plain
-from tests.helpers import expect_error
-
-from .runner import run_named
+from tests.helpers import expect_error, run_named
 
 F64 = torch.float64
 HIDDEN, ROWS = 8, 2  # a microbatch is (ROWS, HIDDEN)

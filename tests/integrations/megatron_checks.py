@@ -29,9 +29,7 @@ from torch import nn
 import splitgrad
 from splitgrad.integrations.megatron import check_ddp
 from splitgrad.testing import AllocationTracker, assert_grads_close, main_grads, plain_autograd_grads
-from tests.helpers import expect_error
-
-from .runner import run_named
+from tests.helpers import expect_error, run_named
 
 F64 = torch.float64
 N_MICROBATCHES = 2

@@ -15,9 +15,9 @@ import torch
 import splitgrad
 from splitgrad.integrations import dualpipe as bridge
 from splitgrad.testing import spawn
+from tests.helpers import rank_failures
 
 from . import dualpipe_checks
-from .runner import report
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -28,7 +28,7 @@ def results(request) -> list[dict[str, str | None]]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", dualpipe_checks.ALL)
 def test_dualpipe(results, name):
-    failures = report(results, name)
+    failures = rank_failures(results, name)
     assert not failures, failures
 
 

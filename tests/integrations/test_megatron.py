@@ -13,9 +13,9 @@ import pytest
 from splitgrad.integrations.megatron import interleaved_orders, interleaved_schedule, schedule_from_orders
 from splitgrad.pipeline import build_schedule, validate
 from splitgrad.testing import spawn
+from tests.helpers import rank_failures
 
 from . import megatron_checks
-from .runner import report
 
 pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
 
@@ -28,7 +28,7 @@ def results() -> list[dict[str, str | None]]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", megatron_checks.ALL)
 def test_megatron_ddp(results, name):
-    failures = report(results, name)
+    failures = rank_failures(results, name)
     assert not failures, failures
 
 

@@ -12,7 +12,6 @@ strand a peer in a receive.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.pipelining import (
 import splitgrad
 from splitgrad.pipeline.torch_adapter import SplitgradPipelineStage, splitgrad_pipeline_stage
 from splitgrad.testing import assert_grads_close
-from tests.helpers import expect_error
+from tests.helpers import expect_error, run_named
 
 F64 = torch.float64
 HIDDEN, FFN = 8, 16
@@ -343,22 +342,7 @@ def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]
     groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank creates every group
     table: dict[str, Callable[[], None]] = {f.__name__: (lambda f=f: f(rank, world)) for f in TWO_RANK}
     table.update({f.__name__: (lambda f=f: f(rank, world, groups[rank])) for f in ONE_RANK})
-    results: dict[str, str | None] = {}
-    failed: str | None = None
-    for name in names:
-        if failed is not None:
-            results[name] = f"not run: {failed} failed first"
-            continue
-        try:
-            table[name]()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-        flag = torch.tensor([results[name] is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            failed = name
-    return results
+    return run_named(table, names)
 
 
 ALL = [f.__name__ for f in TWO_RANK + ONE_RANK]

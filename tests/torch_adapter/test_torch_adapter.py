@@ -19,6 +19,7 @@ from torch import nn
 import splitgrad
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 from splitgrad.testing import spawn
+from tests.helpers import rank_failures
 from tests.torch_adapter import adapter_checks
 
 pytestmark = pytest.mark.distributed
@@ -31,10 +32,8 @@ def results() -> list[dict[str, str | None]]:
 
 @pytest.mark.parametrize("name", adapter_checks.ALL)
 def test_two_ranks(results, name):
-    failures = [
-        f"--- rank {rank} ---\n{res[name]}" for rank, res in enumerate(results) if res[name] is not None
-    ]
-    assert not failures, "\n".join(failures)
+    failures = rank_failures(results, name)
+    assert not failures, failures
 
 
 def test_stage_without_delayed_layers_is_refused():

@@ -371,6 +371,26 @@ class Schedule:
             rank_actions=tuple(ranks[r] for r in range(len(ranks))),
         )
 
+    # -- PyTorch's schedule CSV (torch.distributed.pipelining, torchtitan) ---------------------------------
+
+    @classmethod
+    def from_csv(
+        cls, text: str, *, n_microbatches: int | None = None, name: str = "csv", comms: str = "refuse"
+    ) -> Schedule:
+        """Read PyTorch's schedule CSV (one row per rank; ``I`` is splitgrad's ``B``, ``B`` its ``BW``).
+
+        See :func:`splitgrad.pipeline.ir.torch_csv.schedule_from_csv` for the format and the arguments.
+        """
+        from .torch_csv import schedule_from_csv
+
+        return schedule_from_csv(text, n_microbatches=n_microbatches, name=name, comms=comms)
+
+    def to_csv(self) -> str:
+        """PyTorch's ``compute_only`` schedule CSV of this schedule; :meth:`from_csv` reads it back."""
+        from .torch_csv import schedule_to_csv
+
+        return schedule_to_csv(self)
+
     def __repr__(self) -> str:
         return (
             f"Schedule(name={self.name!r}, n_stages={self.n_stages}, n_ranks={self.n_ranks}, "

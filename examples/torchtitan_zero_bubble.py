@@ -86,7 +86,9 @@ def main() -> None:
     )
     if has_last:
         print(f"rank {dist.get_rank()}: losses {[round(x.item(), 6) for x in losses]}")
-    print(f"rank {dist.get_rank()}: stages {[s.stage_index for s in stages]}, max |grad - reference| = {worst:.2e}")
+    print(
+        f"rank {dist.get_rank()}: stages {[s.stage_index for s in stages]}, max |grad - reference| = {worst:.2e}"
+    )
     dist.destroy_process_group()
 
 

@@ -77,7 +77,9 @@ def test_eager_flex_on_cpu_equals_sdpa_on_the_same_mask():
         mask = model.get_attention_masks(titan_tiny.packed_positions([40], seq=128)[0])
         dense = create_mask(mask.mask_mod, 1, None, 128, 128)
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 2, 128, 16, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "qkv")
+        q, k, v = (
+            torch.randn(1, 2, 128, 16, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "qkv"
+        )
         flex = flex_attention(q, k, v, block_mask=mask)
         (g_flex := torch.autograd.grad(flex.square().sum(), (q, k, v)))
         sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)

@@ -102,7 +102,9 @@ def run_recipe(rank: int, world: int, check: str, model: nn.Module, data: dict, 
         losses=losses,
     )
     for stage in stages:
-        assert stage.pending_microbatches == (), f"stage {stage.stage_index} owes W {stage.pending_microbatches}"
+        assert stage.pending_microbatches == (), (
+            f"stage {stage.stage_index} owes W {stage.pending_microbatches}"
+        )
     ref_losses, ref_grads = ref
     got = {n.replace(WRAPPED, ""): p.grad for part in parts for n, p in part.named_parameters()}
     missing = sorted(n for n, g in got.items() if g is None)

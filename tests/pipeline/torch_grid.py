@@ -44,7 +44,10 @@ def torch_schedule(cls: type, n_local: int, n_microbatches: int, group_size: int
     """``cls(stages, n_microbatches)`` over ``n_local`` stand-in stages of a ``group_size``-rank pipeline."""
     stages = [
         SimpleNamespace(
-            num_stages=n_local * group_size, group_size=group_size, group_rank=rank, submod=torch.nn.Identity()
+            num_stages=n_local * group_size,
+            group_size=group_size,
+            group_rank=rank,
+            submod=torch.nn.Identity(),
         )
         for _ in range(n_local)
     ]

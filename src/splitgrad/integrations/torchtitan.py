@@ -64,7 +64,11 @@ def convert_linears(
     """
     options = {"delay_wgrad_compute": delay_wgrad_compute, "fuse_wgrad_accumulation": fuse_wgrad_accumulation}
     subclasses = _linear_subclasses(model)
-    overriding = [f"{n} ({type(c).__qualname__})" for n, _, _, c in subclasses if type(c).forward is not nn.Linear.forward]
+    overriding = [
+        f"{n} ({type(c).__qualname__})"
+        for n, _, _, c in subclasses
+        if type(c).forward is not nn.Linear.forward
+    ]
     if overriding:
         raise ValueError(
             f"convert_linears: {overriding} subclass nn.Linear and override forward, so a splitgrad Linear "
@@ -122,7 +126,11 @@ def pipeline_stages(
         _split_module,
     )
 
-    n_stages, pp_degree, pp_rank = len(module_names_per_stage), dist.get_world_size(group), dist.get_rank(group)
+    n_stages, pp_degree, pp_rank = (
+        len(module_names_per_stage),
+        dist.get_world_size(group),
+        dist.get_rank(group),
+    )
     if n_stages % pp_degree:
         raise ValueError(
             f"pipeline_stages: {n_stages} stages do not split evenly over the {pp_degree} ranks of the group"
@@ -135,7 +143,10 @@ def pipeline_stages(
         stages.append(splitgrad_pipeline_stage(part, stage_index, n_stages, device, group=group))
         parts.append(part)
         logger.info(
-            "pipeline_stages: rank %d stage %d holds %s", pp_rank, stage_index, module_names_per_stage[stage_index]
+            "pipeline_stages: rank %d stage %d holds %s",
+            pp_rank,
+            stage_index,
+            module_names_per_stage[stage_index],
         )
     return stages, parts
 

@@ -19,13 +19,14 @@ import torch.distributed as dist
 from splitgrad.integrations.torchtitan import pipeline_stages, step_microbatches
 from splitgrad.testing.flex_cpu import torchtitan_flex_on_cpu
 
-N_LAYERS, SEQ, N_MICROBATCHES = 2, 128, 4
+N_LAYERS, SEQ, N_MICROBATCHES = 3, 128, 4  # 3 layers: every one of the 4 stages holds a linear
 
 
-def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """torchtitan's cross-entropy over the step's tokens, as ``(loss, metrics)`` (its schedule builder's form)."""
     from torchtitan.components.loss import cross_entropy_loss
 
-    return cross_entropy_loss(pred, labels) / (N_MICROBATCHES * SEQ)
+    return cross_entropy_loss(pred, labels) / (N_MICROBATCHES * SEQ), {}
 
 
 def main() -> None:
@@ -79,7 +80,7 @@ def main() -> None:
 
         reference = copy.deepcopy(model)
         for tok, lab, pos, mask in zip(tokens, labels, positions, masks):
-            loss_fn(reference(tok, positions=pos, attention_masks=mask), lab).backward()
+            loss_fn(reference(tok, positions=pos, attention_masks=mask), lab)[0].backward()
     want = dict(reference.named_parameters())
     worst = max(
         (p.grad - want[name].grad).abs().max().item() for part in parts for name, p in part.named_parameters()

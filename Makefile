@@ -7,11 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-matrix lint format bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt requirements-megatron.txt requirements-dualpipe.txt
+$(STAMP): pyproject.toml requirements-dev.txt requirements-torchtitan.txt requirements-megatron.txt requirements-dualpipe.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -r requirements-megatron.txt -r requirements-dualpipe.txt
+	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt -r requirements-megatron.txt -r requirements-dualpipe.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

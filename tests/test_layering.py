@@ -28,7 +28,7 @@ LAYERS = {
     "parallel": 5,
     "graphs": 5,
     "pipeline": 6,
-    "integrations": 7,  # other people's frameworks (Megatron-Core, DualPipe, ...), each imported lazily
+    "integrations": 7,  # other people's frameworks (torchtitan, Megatron-Core, DualPipe, ...), each imported lazily
     "testing": 8,  # test doubles and references: may use anything below the CLI; the library never imports it
     "cli": 9,
     "__main__": 9,

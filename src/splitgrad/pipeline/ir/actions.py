@@ -371,6 +371,41 @@ class Schedule:
             rank_actions=tuple(ranks[r] for r in range(len(ranks))),
         )
 
+    # -- PyTorch's schedule CSV (torch.distributed.pipelining, torchtitan) ---------------------------------
+
+    @classmethod
+    def from_csv(
+        cls, text: str, *, n_microbatches: int | None = None, name: str = "csv", comms: str = "refuse"
+    ) -> Schedule:
+        """Read PyTorch's schedule CSV (:mod:`~splitgrad.pipeline.ir.torch_csv` gives the format).
+
+        Args:
+            text: the file's content: one row per rank, PyTorch's ``I`` is splitgrad's ``B``, its ``B`` our ``BW``.
+            n_microbatches: microbatches per step (default: the largest index in the file, plus one).
+            name: the schedule's name.
+            comms: ``"refuse"`` (default) raises on communication/FSDP cells; ``"drop"`` leaves them out.
+
+        Raises:
+            ValueError: an unknown cell (naming rank, column, text), a stage in two rows, a stage index no row
+                uses, no action at all, or a bad ``comms``. Check the result with ``splitgrad.pipeline.validate``.
+        """
+        from .torch_csv import csv_to_action_rows, placement_of
+
+        rows = csv_to_action_rows(text, comms=comms)
+        stage_to_rank, microbatches = placement_of(rows)
+        ranks = tuple(tuple(parse_action(a) for a in row) for row in rows)
+        return cls(name, microbatches if n_microbatches is None else n_microbatches, stage_to_rank, ranks)
+
+    def to_csv(self) -> str:
+        """PyTorch's ``compute_only`` schedule CSV of this schedule; :meth:`from_csv` reads it back.
+
+        Raises:
+            ValueError: the schedule has gradient-sync points (``R``/``RF``): strip them first.
+        """
+        from .torch_csv import action_rows_to_csv
+
+        return action_rows_to_csv([[a.name for a in acts] for acts in self.rank_actions])
+
     def __repr__(self) -> str:
         return (
             f"Schedule(name={self.name!r}, n_stages={self.n_stages}, n_ranks={self.n_ranks}, "

@@ -339,37 +339,16 @@ class Schedule:
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
-        """Parse :meth:`to_text` output; lines starting with ``#`` and blank lines are ignored."""
-        fields: dict[str, str] = {}
-        ranks: dict[int, tuple[AnyAction, ...]] = {}
-        for lineno, raw in enumerate(text.splitlines(), start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, _, value = line.partition(" ")
-            if key == "rank":
-                index, sep, body = value.partition(":")
-                if not sep or not index.strip().isdigit():
-                    raise ValueError(f"line {lineno}: expected 'rank <r>: <actions>', got {raw!r}")
-                ranks[int(index)] = tuple(parse_action(tok) for tok in body.split())
-            elif key in ("schedule", "stages", "microbatches", "stage_to_rank"):
-                fields[key] = value.strip()
-            else:
-                raise ValueError(f"line {lineno}: unknown field {key!r} in {raw!r}")
-        missing = [k for k in ("schedule", "stages", "microbatches", "stage_to_rank") if k not in fields]
-        if missing:
-            raise ValueError(f"schedule text lacks fields {missing}")
-        stage_to_rank = tuple(int(tok) for tok in fields["stage_to_rank"].split())
-        if len(stage_to_rank) != int(fields["stages"]):
-            raise ValueError(f"'stages {fields['stages']}' disagrees with {len(stage_to_rank)=} entries")
-        if sorted(ranks) != list(range(len(ranks))):
-            raise ValueError(f"rank lines must be numbered 0..n-1, got {sorted(ranks)}")
-        return cls(
-            name=fields["schedule"],
-            n_microbatches=int(fields["microbatches"]),
-            stage_to_rank=stage_to_rank,
-            rank_actions=tuple(ranks[r] for r in range(len(ranks))),
-        )
+        """Parse :meth:`to_text` output; lines starting with ``#`` and blank lines are ignored.
+
+        Raises:
+            ValueError: naming the line of an unknown field or a malformed rank line, or the missing fields.
+        """
+        from .text_form import parse_schedule_text
+
+        name, n_microbatches, stage_to_rank, rank_lines = parse_schedule_text(text)
+        ranks = tuple(tuple(parse_action(tok) for tok in line) for line in rank_lines)
+        return cls(name=name, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank, rank_actions=ranks)
 
     # -- PyTorch's schedule CSV (torch.distributed.pipelining, torchtitan) ---------------------------------
 

@@ -27,6 +27,7 @@ import splitgrad
 from splitgrad.integrations.torchtitan import convert_linears
 from splitgrad.testing import spawn
 from splitgrad.testing.flex_cpu import torchtitan_flex_on_cpu
+from tests.helpers import rank_failures
 from tests.integrations import titan_tiny, torchtitan_checks
 
 
@@ -38,8 +39,8 @@ def results() -> list[dict[str, str | None]]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [*torchtitan_checks.ALL, "mask_matters"])
 def test_two_ranks(results, name):
-    failures = [f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(results) if res[name] is not None]
-    assert not failures, "\n".join(failures)
+    failures = rank_failures(results, name)
+    assert not failures, failures
 
 
 def test_convert_linears_takes_torchtitans_linear():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from splitgrad.integrations.torchtitan import pipeline_stages, step_microbatches
 from splitgrad.pipeline import Action, ActionKind, Schedule, validate
 from splitgrad.testing import assert_grads_close
 from splitgrad.testing.flex_cpu import torchtitan_flex_on_cpu
+from tests.helpers import run_named
 from tests.integrations import titan_tiny
 
 #: check name -> (torchtitan pipeline_parallel_schedule, expected schedule class name, CSV file or not)
@@ -116,39 +117,31 @@ def run_recipe(rank: int, world: int, check: str, model: nn.Module, data: dict, 
 
 
 def run_checks(rank: int, world: int, names: list[str]) -> dict[str, str | None]:
-    """Run the recipes ``names``; after the first failure on any rank the rest are reported as not run.
-
-    A last entry, ``"mask_matters"``, holds the negative check: the pipeline's losses differ from a reference
-    that ignores the document boundaries (a causal mask only), so the BlockMask the stages received is the
-    one that shaped the result.
+    """Run the recipes ``names`` (:func:`tests.helpers.run_named`: after the first failure on any rank the rest
+    are reported as not run), then ``"mask_matters"``, the negative check: the pipeline's losses differ from a
+    reference that ignores the document boundaries (a causal mask only), so the BlockMask the stages received
+    is the one that shaped the result.
     """
-    results: dict[str, str | None] = {}
-    failed: str | None = None
     with torchtitan_flex_on_cpu():
         model = titan_tiny.debug_model()
         data = titan_tiny.batch(model)
         ref = titan_tiny.reference(model, data)
-        losses: list = []
-        for name in names:
-            if failed is not None:
-                results[name] = f"not run: {failed} failed first"
-                continue
-            try:
-                losses = run_recipe(rank, world, name, model, data, ref)
-                results[name] = None
-            except Exception:
-                results[name] = traceback.format_exc()
-            flag = torch.tensor([results[name] is not None], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                failed = name
-        results["mask_matters"] = None
-        if losses and failed is None:
-            try:
-                causal = [model.get_attention_masks(torch.arange(titan_tiny.SEQ).unsqueeze(0))] * len(losses)
-                wrong = titan_tiny.losses_with(model, data, causal)
-                gap = (torch.stack(losses) - torch.stack(wrong)).abs().min().item()
-                assert gap > 1e-6, f"a causal-only reference gives the same losses (gap {gap:.3g})"
-            except Exception:
-                results["mask_matters"] = traceback.format_exc()
-    return results
+        losses: list = []  # the last recipe's, on the rank holding the loss (empty elsewhere)
+
+        def recipe(name: str) -> Callable[[], None]:
+            def run() -> None:
+                losses[:] = run_recipe(rank, world, name, model, data, ref)
+
+            return run
+
+        def mask_matters() -> None:
+            if not losses:
+                return
+            causal = [model.get_attention_masks(torch.arange(titan_tiny.SEQ).unsqueeze(0))] * len(losses)
+            wrong = titan_tiny.losses_with(model, data, causal)
+            gap = (torch.stack(losses) - torch.stack(wrong)).abs().min().item()
+            assert gap > 1e-6, f"a causal-only reference gives the same losses (gap {gap:.3g})"
+
+        table = {n: recipe(n) for n in names}
+        table["mask_matters"] = mask_matters
+        return run_named(table, [*names, "mask_matters"])

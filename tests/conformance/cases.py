@@ -110,8 +110,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def _grouped(splits: list[int], p: Params, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Either layout: per-group weight{g}/bias{g}, or one 3-D weight / 2-D bias indexed by group.
+    def part(name: str, g: int) -> torch.Tensor | None:
+        return p[name][g] if name in p else p.get(f"{name}{g}")
+
     x2 = x.reshape(-1, x.shape[-1])
-    outs = [_linear(xg, p[f"weight{g}"], p.get(f"bias{g}")) for g, xg in enumerate(x2.split(splits))]
+    outs = [_linear(xg, part("weight", g), part("bias", g)) for g, xg in enumerate(x2.split(splits))]
     return (torch.cat(outs).view(*x.shape[:-1], -1),)
 
 
@@ -254,12 +258,44 @@ CASES: list[Case] = [
         frozen=("bias",),
     ),
     Case(
+        name="GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        make=lambda d, f, t: splitgrad.GroupedLinear(
+            3, 8, 8, single_grouped_weight=True, single_grouped_bias=True, **_module_kw(d, f, t)
+        ),
+        x_shape=(10, 8),
+        call=_grouped_call,
+        reference=functools.partial(_grouped, SPLITS),
+        frozen=("bias",),
+        notes="8 features: float32 runs torch's grouped_mm (16-byte strides), float64 the per-group loop",
+    ),
+    Case(
+        name="GroupedLinear(single_grouped_weight, per-group biases)",
+        make=lambda d, f, t: splitgrad.GroupedLinear(
+            3, 8, 5, single_grouped_weight=True, **_module_kw(d, f, t)
+        ),
+        x_shape=(10, 8),
+        call=_grouped_call,
+        reference=functools.partial(_grouped, SPLITS),
+        frozen=("weight",),
+        notes="5 output features: float32 takes the loop too (20-byte rows)",
+    ),
+    Case(
         name="ops.GroupedLinear",
         make=lambda d, f, t: ops.GroupedLinear(3, 8, 5, **_op_kw(d, f, t)),
         x_shape=(10, 8),
         call=_grouped_call,
         reference=functools.partial(_grouped, SPLITS),
         frozen=("weight1",),
+    ),
+    Case(
+        name="ops.GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        make=lambda d, f, t: ops.GroupedLinear(
+            3, 8, 8, single_grouped_weight=True, single_grouped_bias=True, **_op_kw(d, f, t)
+        ),
+        x_shape=(10, 8),
+        call=_grouped_call,
+        reference=functools.partial(_grouped, SPLITS),
+        frozen=("bias",),
     ),
     Case(
         name="ops.Sequential",

@@ -1,4 +1,5 @@
-"""Imports point one way: core -> functional -> module / ops -> parallel / graphs / models -> pipeline -> cli.
+"""Imports point one way: core -> functional -> module / ops -> parallel / graphs / models -> pipeline ->
+integrations -> cli.
 
 Why: the layout is meant to show the architecture (CONVENTIONS.md, README's Layout). A lower layer importing a
 higher one, ``module/`` and ``ops/`` importing each other, or one package reaching into another's private
@@ -21,15 +22,16 @@ LAYERS = {
     "functional": 1,
     "module": 2,
     "ops": 2,
-    "convert": 2,  # torch.nn.Linear -> splitgrad.Linear: built on module/
     "parallel": 3,
     "graphs": 3,
     "models": 3,
     "pipeline": 4,
     "testing": 5,  # test doubles and references: may use anything below the CLI; the library never imports it
-    "cli": 6,
-    "__main__": 6,
-    "": 6,  # the package facade (splitgrad/__init__.py) re-exports from every layer
+    "integrations": 6,  # other people's code (transformers' experts, ...), each imported lazily
+    "convert": 6,  # nn.Linear -> splitgrad.Linear and HF experts: built on module/ and integrations/
+    "cli": 7,
+    "__main__": 7,
+    "": 7,  # the package facade (splitgrad/__init__.py) re-exports from every layer
 }
 #: Siblings that must not import each other.
 SEPARATE = {frozenset({"module", "ops"})}
@@ -218,6 +220,11 @@ def test_no_import_cycles_between_packages():
         ),
         (("splitgrad.models.gpt", "splitgrad"), "package facade"),
         (("splitgrad.graphs.api", "splitgrad.pipeline.runtime"), "higher layer 'pipeline'"),
+        (
+            ("splitgrad.pipeline.runtime", "splitgrad.integrations.transformers"),
+            "higher layer 'integrations'",
+        ),
+        (("splitgrad.integrations.transformers.experts", "splitgrad.cli.demo"), "higher layer 'cli'"),
     ],
 )
 def test_the_checks_reject_a_wrong_edge(edge, expected):

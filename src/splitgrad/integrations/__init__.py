@@ -1,0 +1,9 @@
+"""Other people's code made split-capable: each integration imports its package lazily, only when used.
+
+* :mod:`splitgrad.integrations.transformers`: HuggingFace transformers v5 MoE experts (the modules its
+  ``@use_experts_implementation`` decorator dispatches), converted by :func:`splitgrad.convert`.
+
+Importing ``splitgrad.integrations`` imports none of the integrated packages.
+"""
+
+from __future__ import annotations

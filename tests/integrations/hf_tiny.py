@@ -85,6 +85,9 @@ UNDECORATED = {
     "longcat_flash": {"expert_ffn_hidden_size": 32, "ffn_hidden_size": 64, "n_routed_experts": 8,
                       "zero_expert_num": 2, "moe_topk": 2, "num_key_value_heads": 4, "head_dim": 8, **MLA},
 }  # fmt: skip
+# transformers' eager NemotronH experts accumulate in the float32 router weights' dtype, so a float64 model's
+# eager output is float32-rounded; its batched_mm path multiplies in float64 as the grouped path does.
+FLOAT64_REFERENCE = {"nemotron_h": "batched_mm"}
 _NOT_COMMON = {"dbrx": ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                         "max_position_embeddings"),
                "nemotron_h": ("num_hidden_layers",)}  # fmt: skip
@@ -113,11 +116,11 @@ def _built(family: str, dtype: torch.dtype, implementation: str | None):
 def model(family: str, dtype: torch.dtype = torch.float64, implementation: str | None = None):
     """A fresh copy of the family's tiny model (seeded: every copy has the same parameters).
 
-    ``implementation``: transformers' experts implementation of the *unconverted* model (``"eager"`` for a
-    float64 reference: transformers' default ``grouped_mm`` refuses float64 on the CPU).
+    ``implementation``: transformers' experts implementation of the *unconverted* model (default for float64:
+    ``"eager"`` or :data:`FLOAT64_REFERENCE`, as transformers' default ``grouped_mm`` refuses float64 on the CPU).
     """
     if implementation is None and dtype == torch.float64 and family in DECORATED:
-        implementation = "eager"
+        implementation = FLOAT64_REFERENCE.get(family, "eager")
     return copy.deepcopy(_built(family, dtype, implementation))
 
 

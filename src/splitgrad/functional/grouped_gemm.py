@@ -142,6 +142,7 @@ def grouped_forward(
     bias: torch.Tensor | Sequence[torch.Tensor] | None = None,
     transposed: bool = False,
     path: str = "auto",
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y_g = x_g @ W_g.T (+ b_g)`` for each row group.
 
@@ -152,6 +153,7 @@ def grouped_forward(
         bias: ``(groups, out)``, ``groups`` tensors ``(out,)``, or None.
         transposed: the 3-D weight is stored ``(groups, in, out)`` (``y_g = x_g @ W_g``).
         path: see :data:`PATHS`.
+        offs: :func:`group_offsets` of ``splits`` when the caller has them (computed here otherwise).
 
     Returns:
         ``(tokens, out)``.
@@ -159,7 +161,7 @@ def grouped_forward(
     separate = not isinstance(weight, torch.Tensor)
     wt = weight if separate or transposed else weight.transpose(-2, -1)
     if choose_path(path, *([] if separate else [x, wt]), separate=separate) == "grouped_mm":
-        y = _grouped_mm_op()(x, wt, offs=group_offsets(splits, x.device))
+        y = _grouped_mm_op()(x, wt, offs=group_offsets(splits, x.device) if offs is None else offs)
         if bias is not None:
             y.add_(_bias_rows(bias, splits, x.shape[0]))
         return y
@@ -186,12 +188,13 @@ def grouped_dgrad(
     *,
     transposed: bool = False,
     path: str = "auto",
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Input gradient ``dx_g = dy_g @ W_g`` (``dy_g @ W_g.T`` when transposed).
 
     Args:
         dy: ``(tokens, out)`` output gradient (contiguous: ``grouped_mm`` refuses broadcast gradients).
-        weight, splits, transposed, path: as :func:`grouped_forward`.
+        weight, splits, transposed, path, offs: as :func:`grouped_forward`.
 
     Returns:
         ``(tokens, in)``.
@@ -199,7 +202,7 @@ def grouped_dgrad(
     separate = not isinstance(weight, torch.Tensor)
     wt = weight.transpose(-2, -1) if not separate and transposed else weight
     if choose_path(path, *([] if separate else [dy, wt]), separate=separate) == "grouped_mm":
-        return _grouped_mm_op()(dy, wt, offs=group_offsets(splits, dy.device))
+        return _grouped_mm_op()(dy, wt, offs=group_offsets(splits, dy.device) if offs is None else offs)
     weights = _per_group(weight)
     inp = weights[0].shape[1] if not transposed else weights[0].shape[0]
     dx = dy.new_empty(dy.shape[0], inp)
@@ -217,6 +220,7 @@ def grouped_wgrad(
     stacked: bool = True,
     transposed: bool = False,
     path: str = "auto",
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Weight gradient ``dW_g = dy_g.T @ x_g`` (``x_g.T @ dy_g`` when transposed); zeros for empty groups.
 
@@ -224,7 +228,7 @@ def grouped_wgrad(
         dy: ``(tokens, out)``; x: ``(tokens, in)``; splits: rows per group.
         stacked: return one ``(groups, out, in)`` tensor (else a list of ``(out, in)``; always the loop).
         transposed: the gradient of a ``(groups, in, out)`` weight.
-        path: as :func:`grouped_forward` (only for ``stacked``).
+        path, offs: as :func:`grouped_forward` (only for ``stacked``).
 
     Returns:
         ``(groups, out, in)`` (``(groups, in, out)`` when transposed) or one ``(out, in)`` per group.
@@ -234,7 +238,7 @@ def grouped_wgrad(
         choose_path(path, separate=True)  # raises if grouped_mm is forced
         return [ag.t().mm(bg) for ag, bg in zip(_rows(a, splits), _rows(b, splits))]
     if choose_path(path, a.t(), b) == "grouped_mm":
-        return _grouped_mm_op()(a.t(), b, offs=group_offsets(splits, dy.device))
+        return _grouped_mm_op()(a.t(), b, offs=group_offsets(splits, dy.device) if offs is None else offs)
     dw = a.new_empty(len(splits), a.shape[1], b.shape[1])
     for g, (ag, bg) in enumerate(zip(_rows(a, splits), _rows(b, splits))):
         torch.mm(ag.t(), bg, out=dw[g])  # the op linear_wgrad runs, written in place

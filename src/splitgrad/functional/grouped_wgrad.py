@@ -84,7 +84,12 @@ class GroupedParams:
 
 
 def grouped_gradients(
-    params: GroupedParams, dy: torch.Tensor, x: torch.Tensor, splits: Sequence[int], mask: Sequence[bool]
+    params: GroupedParams,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    splits: Sequence[int],
+    mask: Sequence[bool],
+    offs: torch.Tensor | None = None,
 ) -> list[torch.Tensor | None]:
     """The masked gradients of :attr:`GroupedParams.tensors`, computed now (None where the mask is False).
 
@@ -92,11 +97,13 @@ def grouped_gradients(
         params: the layer's parameters.
         dy: ``(tokens, out)`` output gradient; x: ``(tokens, in)`` input; splits: rows per group.
         mask: one entry per parameter of ``params.tensors``.
+        offs: ``grouped_mm``'s offsets of ``splits``, when the caller has them.
     """
     mask_w, mask_b = params.split_mask(mask)
     out: list[torch.Tensor | None] = []
     if isinstance(params.weight, torch.Tensor):
-        out.append(grouped_wgrad(dy, x, splits, transposed=params.transposed) if mask_w[0] else None)
+        wgrad = grouped_wgrad(dy, x, splits, transposed=params.transposed, offs=offs) if mask_w[0] else None
+        out.append(wgrad)
     else:
         pairs = zip(torch.split(dy, list(splits)), torch.split(x, list(splits)))
         out += [linear_wgrad(dyg, xg) if want else None for want, (dyg, xg) in zip(mask_w, pairs)]
@@ -129,6 +136,7 @@ def write_grouped_wgrad(
     fused: bool,
     owner: str,
     flag: str = "fuse_wgrad_accumulation",
+    offs: torch.Tensor | None = None,
 ) -> None:
     """Accumulate the masked gradients into ``.grad``, or the weights' into ``main_grad`` when ``fused``.
 
@@ -142,6 +150,7 @@ def write_grouped_wgrad(
         mask: one entry per parameter of ``params.tensors``.
         fused: weight gradients go into ``main_grad``.
         owner, flag: for error messages (the layer; its name for the fused switch).
+        offs: ``grouped_mm``'s offsets of ``splits``, when the caller has them.
     """
     mask_w, mask_b = params.split_mask(mask)
     w_names, _ = params.names()
@@ -161,7 +170,7 @@ def write_grouped_wgrad(
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
         else:
-            accumulate_grad(weight, grouped_wgrad(dy, x, splits, transposed=params.transposed))
+            accumulate_grad(weight, grouped_wgrad(dy, x, splits, transposed=params.transposed, offs=offs))
     bias_grads = grouped_gradients(params, dy, x, splits, (False,) * len(mask_w) + mask_b)[len(mask_w) :]
     for b, grad in zip(params.biases, bias_grads):
         if grad is not None:

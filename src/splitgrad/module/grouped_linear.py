@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..core import SplitModule, split_backward
-from ..functional.grouped_gemm import grouped_dgrad, grouped_forward
+from ..functional.grouped_gemm import group_offsets, grouped_dgrad, grouped_forward
 from ..functional.grouped_layout import (
     grouped_biases,
     grouped_pairs,
@@ -41,7 +41,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx, owner, tuple(owner.grouped_params().tensors), has_bias=layout.bias is not None
         )
         ctx.save_for_backward(x, *layout.weights)
-        return grouped_forward(x, layout.weight, m_splits, bias=layout.bias)
+        # grouped_mm's offsets, once per call (only a 3-D weight can take that path).
+        ctx.offs = group_offsets(m_splits, x.device) if isinstance(layout.weight, torch.Tensor) else None
+        return grouped_forward(x, layout.weight, m_splits, bias=layout.bias, offs=ctx.offs)
 
     @staticmethod
     @split_backward
@@ -51,13 +53,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
         m_splits = ctx.m_splits
         weight = weights[0] if isinstance(ctx.layout.weight, torch.Tensor) else weights
         dy = dy.contiguous()  # grouped_mm refuses broadcast gradients (e.g. of a .sum())
-        dx = grouped_dgrad(dy, weight, m_splits) if ctx.needs_input_grad[0] else None
+        offs = ctx.offs
+        dx = grouped_dgrad(dy, weight, m_splits, offs=offs) if ctx.needs_input_grad[0] else None
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            return grouped_gradients(ctx.layout, dy, x, m_splits, mask)
+            return grouped_gradients(ctx.layout, dy, x, m_splits, mask, offs)
 
         def write(mask: tuple[bool, ...]) -> None:
-            owner._write_wgrad(dy, x, m_splits, mask)
+            owner._write_wgrad(dy, x, m_splits, mask, offs)
 
         grads = owner.hand_over_wgrad(
             ctx.params, ctx.needs_input_grad[3:], split=ctx.split, gradients=gradients, write=write,
@@ -177,18 +180,16 @@ class GroupedLinear(SplitModule):
         return list(self.parameters())
 
     def _write_wgrad(
-        self, dy: torch.Tensor, x: torch.Tensor, m_splits: list[int], mask: tuple[bool, ...]
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        m_splits: list[int],
+        mask: tuple[bool, ...],
+        offs: torch.Tensor | None = None,
     ) -> None:
         """Write the masked gradients (:meth:`grouped_params` order) for ``dy: (tokens, out)``, ``x: (tokens, in)``."""
-        write_grouped_wgrad(
-            self.grouped_params(),
-            dy,
-            x,
-            m_splits,
-            mask,
-            fused=self.fuse_wgrad_accumulation,
-            owner=self._describe(),
-        )
+        fused, owner = self.fuse_wgrad_accumulation, self._describe()
+        write_grouped_wgrad(self.grouped_params(), dy, x, m_splits, mask, fused=fused, owner=owner, offs=offs)
 
     def extra_repr(self) -> str:
         text = (

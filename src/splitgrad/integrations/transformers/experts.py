@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...core import SplitModule, split_backward
-from ...functional.grouped_gemm import grouped_dgrad, grouped_forward
+from ...functional.grouped_gemm import group_offsets, grouped_dgrad, grouped_forward
 from ...functional.grouped_wgrad import GroupedParams, grouped_gradients, grouped_targets, write_grouped_wgrad
 from ...functional.wgrad import check_targets
 
@@ -49,10 +49,11 @@ class _ExpertsFunction(torch.autograd.Function):
         ctx.owner, ctx.splits, ctx.layout = owner, splits, (up, down)
         ctx.params = tuple(real[0].tensors + real[1].tensors)
         ctx.split = owner.splits_wgrad()
-        h = grouped_forward(x, up.weight, splits, bias=up.bias, transposed=up.transposed)
+        ctx.offs = offs = group_offsets(splits, x.device)  # grouped_mm's; unused by the loop
+        h = grouped_forward(x, up.weight, splits, bias=up.bias, transposed=up.transposed, offs=offs)
         a = owner.expert_activation(h)
         ctx.save_for_backward(x, h, up.weight, down.weight)
-        return grouped_forward(a, down.weight, splits, bias=down.bias, transposed=down.transposed)
+        return grouped_forward(a, down.weight, splits, bias=down.bias, transposed=down.transposed, offs=offs)
 
     @staticmethod
     @split_backward
@@ -60,7 +61,7 @@ class _ExpertsFunction(torch.autograd.Function):
         x, h, w_up, w_down = ctx.saved_tensors
         owner: SplitExperts = ctx.owner
         up, down = ctx.layout
-        splits = ctx.splits
+        splits, offs = ctx.splits, ctx.offs
         n_up = len(up.tensors)
         need = ctx.needs_input_grad
         dy = dy.contiguous()  # grouped_mm refuses broadcast gradients
@@ -70,17 +71,19 @@ class _ExpertsFunction(torch.autograd.Function):
         need_dh = need[0] or any(need[3 : 3 + n_up])
         dh = None
         if need_dh:
-            da = grouped_dgrad(dy, w_down, splits, transposed=down.transposed)
+            da = grouped_dgrad(dy, w_down, splits, transposed=down.transposed, offs=offs)
             (dh,) = torch.autograd.grad(a, h_in, da)
         a = a.detach()
-        dx = grouped_dgrad(dh, w_up, splits, transposed=up.transposed) if need[0] else None
+        dx = grouped_dgrad(dh, w_up, splits, transposed=up.transposed, offs=offs) if need[0] else None
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            first = grouped_gradients(up, dh, x, splits, mask[:n_up]) if dh is not None else [None] * n_up
-            return first + grouped_gradients(down, dy, a, splits, mask[n_up:])
+            first = (
+                grouped_gradients(up, dh, x, splits, mask[:n_up], offs) if dh is not None else [None] * n_up
+            )
+            return first + grouped_gradients(down, dy, a, splits, mask[n_up:], offs)
 
         def write(mask: tuple[bool, ...]) -> None:
-            owner._write_wgrad(dy, a, dh, x, splits, mask)
+            owner._write_wgrad(dy, a, dh, x, splits, mask, offs)
 
         saved = (dy, a) if dh is None else (dy, a, dh, x)
         grads = owner.hand_over_wgrad(
@@ -158,6 +161,7 @@ class SplitExperts(SplitModule):
         x: torch.Tensor,
         splits: list[int],
         mask: tuple[bool, ...],
+        offs: torch.Tensor | None = None,
     ) -> None:
         """Write ``down_proj``'s then the up projection's masked gradients (both checked before either)."""
         up, down = self.expert_linears()
@@ -168,9 +172,9 @@ class SplitExperts(SplitModule):
             grouped_targets(up, mask_up, fused=fused) + grouped_targets(down, mask[n_up:], fused=fused),
             owner=owner,
         )
-        write_grouped_wgrad(down, dy, a, splits, mask[n_up:], fused=fused, owner=owner)
+        write_grouped_wgrad(down, dy, a, splits, mask[n_up:], fused=fused, owner=owner, offs=offs)
         if dh is not None:
-            write_grouped_wgrad(up, dh, x, splits, mask_up, fused=fused, owner=owner)
+            write_grouped_wgrad(up, dh, x, splits, mask_up, fused=fused, owner=owner, offs=offs)
 
     def extra_repr(self) -> str:
         up, down = self.expert_linears()

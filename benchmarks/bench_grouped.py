@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds, 8 and 32 experts"
     )
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers table")
+    parser.add_argument("--tables", nargs="+", default=["layer", "experts"], choices=["layer", "experts"])
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.hidden, args.rounds, args.experts = 256, 64, 2, [8, 32]

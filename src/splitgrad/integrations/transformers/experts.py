@@ -37,9 +37,10 @@ __all__ = ["SplitExperts", "experts_forward", "split_experts_class"]
 class _ExpertsFunction(torch.autograd.Function):
     """``y = down(act(up(x)))`` per expert group: the two grouped GEMMs and the activation of one experts call.
 
-    Shapes: ``x: (rows, H)`` sorted by expert, ``splits``: rows per expert -> ``(rows, H)``. The activation's
-    backward is taken by autograd on a recomputation from the saved up-projection output (the family's gate may
-    be any differentiable torch code), so only ``x`` and that output are saved.
+    Shapes: ``x: (rows, H)`` sorted by expert, ``splits``: rows per expert -> ``(rows, H)``. The family's gate
+    may be any differentiable torch code, so the forward records it with autograd (on a detached copy of the
+    up projection's output) and the backward asks autograd for its input gradient: the gate saves what it
+    would save in the unconverted model, and runs once.
     """
 
     @staticmethod
@@ -51,29 +52,34 @@ class _ExpertsFunction(torch.autograd.Function):
         ctx.split = owner.splits_wgrad()
         ctx.offs = offs = group_offsets(splits, x.device)  # grouped_mm's; unused by the loop
         h = grouped_forward(x, up.weight, splits, bias=up.bias, transposed=up.transposed, offs=offs)
-        a = owner.expert_activation(h)
-        ctx.save_for_backward(x, h, up.weight, down.weight)
+        ctx.gate = None
+        if any(ctx.needs_input_grad):
+            with torch.enable_grad():
+                h_in = h.detach().requires_grad_()
+                gate_out = owner.expert_activation(h_in)
+            ctx.gate = (h_in, gate_out)  # a private graph, freed with ctx
+            a = gate_out.detach()
+        else:
+            a = owner.expert_activation(h)
+        ctx.save_for_backward(x, a, up.weight, down.weight)
         return grouped_forward(a, down.weight, splits, bias=down.bias, transposed=down.transposed, offs=offs)
 
     @staticmethod
     @split_backward
     def backward(ctx, dy):  # type: ignore[override]
-        x, h, w_up, w_down = ctx.saved_tensors
+        x, a, w_up, w_down = ctx.saved_tensors
         owner: SplitExperts = ctx.owner
         up, down = ctx.layout
         splits, offs = ctx.splits, ctx.offs
         n_up = len(up.tensors)
         need = ctx.needs_input_grad
         dy = dy.contiguous()  # grouped_mm refuses broadcast gradients
-        with torch.enable_grad():
-            h_in = h.detach().requires_grad_()
-            a = owner.expert_activation(h_in)
-        need_dh = need[0] or any(need[3 : 3 + n_up])
         dh = None
-        if need_dh:
+        if need[0] or any(need[3 : 3 + n_up]):
             da = grouped_dgrad(dy, w_down, splits, transposed=down.transposed, offs=offs)
-            (dh,) = torch.autograd.grad(a, h_in, da)
-        a = a.detach()
+            h_in, gate_out = ctx.gate
+            # retain_graph: a backward(retain_graph=True) of the model may come through here again.
+            (dh,) = torch.autograd.grad(gate_out, h_in, da, retain_graph=True)
         dx = grouped_dgrad(dh, w_up, splits, transposed=up.transposed, offs=offs) if need[0] else None
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:

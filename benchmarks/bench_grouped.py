@@ -123,13 +123,14 @@ def main() -> None:
         dtype = getattr(torch, name)
         for experts in args.experts:
             shape = f"{name}, {experts} experts, {args.tokens} tokens, hidden {args.hidden}"
-            layer = interleaved_medians(
-                _layer_variants(experts, args.tokens, args.hidden, dtype),
-                rounds=args.rounds,
-                clock=args.clock,
-            )
-            print_table(f"layer: {shape}", layer, "loop of nn.Linear")
-            if not args.no_hf:
+            if "layer" in args.tables:
+                layer = interleaved_medians(
+                    _layer_variants(experts, args.tokens, args.hidden, dtype),
+                    rounds=args.rounds,
+                    clock=args.clock,
+                )
+                print_table(f"layer: {shape}", layer, "loop of nn.Linear")
+            if "experts" in args.tables:
                 hf = interleaved_medians(
                     _experts_variants(experts, args.tokens, args.hidden, dtype),
                     rounds=args.rounds,

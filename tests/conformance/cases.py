@@ -180,6 +180,29 @@ def _grouped_call(subject: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (subject(x, SPLITS),)
 
 
+_SINGLE = {"single_grouped_weight": True, "single_grouped_bias": True}
+
+
+def _grouped_case(
+    name: str,
+    make: Callable[[bool, bool, torch.dtype], nn.Module],
+    *,
+    frozen: tuple[str, ...],
+    notes: str = "",
+) -> Case:
+    """A grouped linear (either class, either layout) called on ``(10, 8)`` rows split by :data:`SPLITS`."""
+    reference = functools.partial(_grouped, SPLITS)
+    return Case(
+        name=name,
+        make=make,
+        x_shape=(10, 8),
+        call=_grouped_call,
+        reference=reference,
+        frozen=frozen,
+        notes=notes,
+    )
+
+
 def _ops_mlp(delay: bool, fuse: bool, dtype: torch.dtype) -> nn.Module:
     kw = _op_kw(delay, fuse, dtype)
     return ops.Sequential(
@@ -235,12 +258,9 @@ CASES: list[Case] = [
         reference=_ln_mlp_ref,
         frozen=("fc1_weight", "layer_norm_bias"),
     ),
-    Case(
-        name="GroupedLinear",
-        make=lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, **_module_kw(d, f, t)),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "GroupedLinear",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, **_module_kw(d, f, t)),
         frozen=("weight1", "bias1"),
     ),
     Case(
@@ -257,44 +277,26 @@ CASES: list[Case] = [
         reference=lambda p, x: (_linear(x, p["weight"], p["bias"]),),
         frozen=("bias",),
     ),
-    Case(
-        name="GroupedLinear(single_grouped_weight, single_grouped_bias)",
-        make=lambda d, f, t: splitgrad.GroupedLinear(
-            3, 8, 8, single_grouped_weight=True, single_grouped_bias=True, **_module_kw(d, f, t)
-        ),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 8, **_SINGLE, **_module_kw(d, f, t)),
         frozen=("bias",),
         notes="8 features: float32 runs torch's grouped_mm (16-byte strides), float64 the per-group loop",
     ),
-    Case(
-        name="GroupedLinear(single_grouped_weight, per-group biases)",
-        make=lambda d, f, t: splitgrad.GroupedLinear(
-            3, 8, 5, single_grouped_weight=True, **_module_kw(d, f, t)
-        ),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "GroupedLinear(single_grouped_weight, per-group biases)",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, single_grouped_weight=True, **_module_kw(d, f, t)),
         frozen=("weight",),
         notes="5 output features: float32 takes the loop too (20-byte rows)",
     ),
-    Case(
-        name="ops.GroupedLinear",
-        make=lambda d, f, t: ops.GroupedLinear(3, 8, 5, **_op_kw(d, f, t)),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "ops.GroupedLinear",
+        lambda d, f, t: ops.GroupedLinear(3, 8, 5, **_op_kw(d, f, t)),
         frozen=("weight1",),
     ),
-    Case(
-        name="ops.GroupedLinear(single_grouped_weight, single_grouped_bias)",
-        make=lambda d, f, t: ops.GroupedLinear(
-            3, 8, 8, single_grouped_weight=True, single_grouped_bias=True, **_op_kw(d, f, t)
-        ),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "ops.GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        lambda d, f, t: ops.GroupedLinear(3, 8, 8, **_SINGLE, **_op_kw(d, f, t)),
         frozen=("bias",),
     ),
     Case(

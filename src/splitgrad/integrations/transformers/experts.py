@@ -15,6 +15,12 @@ set on the instance — ``has_gate`` (``gate_up_proj`` or ``up_proj``), ``has_bi
 ``_apply_gate`` / ``act_fn``, so interleaved gpt-oss halves, clamped swiglu or softcapped gates need no table.
 Routing (top-k ids and weights) is the caller's, untouched. Expert ids ``>= num_experts`` (transformers'
 expert-parallel sentinel) contribute zero, as in transformers' implementations.
+
+Why not a ``"splitgrad"`` entry in transformers' experts registry (``ExpertsInterface.register``)? That
+registry is process-wide and its choice is per config (every experts module of a model at once), and a
+registered function cannot make the module split-capable: the store, hooks and TE's methods must live on
+the module, for ``splitgrad.split_modules`` and the optimizer guard to see it. The swap changes one module,
+explicitly, and nothing global. A converted module ignores a later ``set_experts_implementation``.
 """
 
 from __future__ import annotations

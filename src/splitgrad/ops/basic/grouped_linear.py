@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from ...functional.grouped_gemm import grouped_dgrad, grouped_forward
-from ...functional.grouped_layout import grouped_pairs, grouped_params_of, register_grouped_parameters
+from ...functional.grouped_layout import (
+    grouped_biases,
+    grouped_pairs,
+    grouped_params_of,
+    register_grouped_parameters,
+)
 from ...functional.grouped_wgrad import GroupedParams, grouped_gradients, write_grouped_wgrad
 from ...functional.init import linear_init_
 from ...functional.split_sizes import check_split_sizes
@@ -104,6 +109,10 @@ class GroupedLinear(SplitOperation):
     def weights(self) -> list[nn.Parameter]:
         """The weight parameter(s): ``[weight]`` or ``[weight0, ..]``."""
         return self.grouped_params().weights
+
+    def biases(self) -> list[nn.Parameter | torch.Tensor | None]:
+        """Each group's bias: ``[bias0, ..]``, views of the single ``bias``, or Nones."""
+        return grouped_biases(self.grouped_params(), self.num_groups)
 
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialisation, group by group (one seed gives both layouts the same values)."""

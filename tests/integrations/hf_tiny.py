@@ -68,9 +68,12 @@ DECORATED = {
     "solar_open": {"intermediate_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 8,
                    "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 0, "head_dim": 16},
     "aria_text": {"intermediate_size": 64, "moe_num_experts": 8, "moe_topk": 2, "head_dim": 16},
+    # An MoE and an attention layer: its Mamba2 layers cost minutes in float64 and are not what is tested here
+    # (granitemoehybrid keeps one, for the directly-read out_proj).
     "nemotron_h": {"intermediate_size": 64, "moe_intermediate_size": 32, "head_dim": 16, "n_routed_experts": 8,
                    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
-                   "sliding_window": 8, "moe_latent_size": None, "num_nextn_predict_layers": 0},
+                   "sliding_window": 8, "moe_latent_size": None, "num_nextn_predict_layers": 0,
+                   "hybrid_override_pattern": "E*"},
 }  # fmt: skip
 # Families whose experts transformers' integration does not dispatch.
 UNDECORATED = {

@@ -70,7 +70,9 @@ def test_converted_model_trains_like_the_original(family, dtype, tol):
     assert splitgrad.pending_wgrad(model) >= len(names)
     splitgrad.backward_dw(model)
     assert_same_training((out.logits.detach(), out.loss.detach()), want, model, reference, tol, family)
-    # Negative check: the same comparison rejects a model whose experts 0 and 1 are swapped in one layer.
+    if dtype != torch.float64:
+        return
+    # Negative check (once per family): the comparison rejects a model whose experts 0 and 1 are swapped.
     broken = splitgrad.convert(copy.deepcopy(reference))
     w = experts(broken)[0][1].down_proj
     with torch.no_grad():
@@ -80,8 +82,12 @@ def test_converted_model_trains_like_the_original(family, dtype, tol):
         assert_same_training(got, want, broken, reference, tol, family)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("family", FAMILIES)
+# float32 (grouped_mm) for every family; the float64 loop for one standard and the transposed layout.
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [(f, torch.float32) for f in FAMILIES] + [("mixtral", torch.float64), ("gpt_oss", torch.float64)],
+    ids=str,
+)
 def test_delayed_is_bitwise_immediate(family, dtype):
     immediate = splitgrad.convert(hf_tiny.model(family, dtype), delay_wgrad_compute=False)
     delayed = splitgrad.convert(hf_tiny.model(family, dtype))

@@ -29,8 +29,8 @@ CORE = {"mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"}  # checked in depth by
 TABLE = {
     "phimoe": ({"PhimoeExperts"}, {"PhimoeTopKRouter"}, set()),
     "jamba": ({"JambaExperts"}, {"dt_proj"}, set()),
-    "nemotron_h": ({"NemotronHExperts"}, {"out_proj"}, set()),  # the mamba kernel path reads out_proj.weight
-    "granitemoehybrid": ({"GraniteMoeHybridExperts"}, {"out_proj"}, set()),
+    "nemotron_h": ({"NemotronHExperts"}, set(), set()),  # built without Mamba2 layers (hf_tiny)
+    "granitemoehybrid": ({"GraniteMoeHybridExperts"}, {"out_proj"}, set()),  # Mamba2's fused kernel reads it
     "aria_text": ({"AriaExperts"}, set(), set()),
     "llama4_text": (set(), {"Llama4Router"}, {"Llama4TextExperts"}),
     "dbrx": (set(), set(), {"DbrxExpertGLU"}),
@@ -74,14 +74,11 @@ def test_every_decorated_family_trains_like_the_original(family):
             assert p.grad is None, f"{family} {name}"
             continue
         torch.testing.assert_close(p.grad, ref[name].grad, **F64, msg=lambda m, n=name: f"{family} {n}: {m}")
-    # Negative check: a gradient from one microbatch more is rejected by the same comparison.
-    model(input_ids=hf_tiny.batch(1), labels=hf_tiny.batch(1)).loss.backward()
-    splitgrad.backward_dw(model)
+    # Negative check: the same comparison rejects the gradients of experts 0 and 1 swapped in one layer.
     w = layers[0].down_proj
+    want_w = ref[next(n for n, q in model.named_parameters() if q is w)].grad
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(
-            w.grad, ref[next(n for n, q in model.named_parameters() if q is w)].grad, **F64
-        )
+        torch.testing.assert_close(w.grad[[1, 0, *range(2, w.shape[0])]], want_w, **F64)
 
 
 @pytest.mark.parametrize("family", sorted(TABLE))

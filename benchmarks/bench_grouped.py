@@ -97,6 +97,13 @@ def _experts_variants(
     return {"transformers grouped_mm": run(hf, False), "splitgrad (deferred + backward_dw)": run(ours, True)}
 
 
+#: table -> (variants builder, baseline variant, title)
+TABLES = {
+    "layer": (_layer_variants, "loop of nn.Linear", "layer"),
+    "experts": (_experts_variants, "transformers grouped_mm", "experts (MixtralExperts, top-2)"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
@@ -111,7 +118,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds, 8 and 32 experts"
     )
-    parser.add_argument("--tables", nargs="+", default=["layer", "experts"], choices=["layer", "experts"])
+    parser.add_argument("--tables", nargs="+", default=["layer", "experts"], choices=sorted(TABLES))
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.hidden, args.rounds, args.experts = 256, 64, 2, [8, 32]
@@ -123,20 +130,12 @@ def main() -> None:
         dtype = getattr(torch, name)
         for experts in args.experts:
             shape = f"{name}, {experts} experts, {args.tokens} tokens, hidden {args.hidden}"
-            if "layer" in args.tables:
-                layer = interleaved_medians(
-                    _layer_variants(experts, args.tokens, args.hidden, dtype),
-                    rounds=args.rounds,
-                    clock=args.clock,
+            for table in args.tables:
+                make, baseline, title = TABLES[table]
+                medians = interleaved_medians(
+                    make(experts, args.tokens, args.hidden, dtype), rounds=args.rounds, clock=args.clock
                 )
-                print_table(f"layer: {shape}", layer, "loop of nn.Linear")
-            if "experts" in args.tables:
-                hf = interleaved_medians(
-                    _experts_variants(experts, args.tokens, args.hidden, dtype),
-                    rounds=args.rounds,
-                    clock=args.clock,
-                )
-                print_table(f"experts (MixtralExperts, top-2): {shape}", hf, "transformers grouped_mm")
+                print_table(f"{title}: {shape}", medians, baseline)
 
 
 if __name__ == "__main__":

@@ -90,20 +90,35 @@ def run_in_namespace(command: Sequence[str], *, rate: str = "1gbit") -> int:
     """Run ``command`` inside a fresh rate-limited namespace; returns its exit code.
 
     A SIGTERM (``kill``, ``timeout``) is passed on to the command, and the namespace is deleted once it has
-    exited, as on Ctrl-C: Python's default SIGTERM action would end this process without its cleanup.
+    exited, as on Ctrl-C: Python's default SIGTERM action would end this process without its cleanup. The
+    handler is in place before the namespace exists: a SIGTERM while it is being set up skips the command.
     """
-    with rate_limited_namespace(rate) as prefix:
-        child = subprocess.Popen([*prefix, *command])
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.terminate())
-        try:
-            return child.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            if (
-                child.poll() is None
-            ):  # Ctrl-C or an error here: do not leave it running in a deleted namespace
-                child.kill()
-                child.wait()
+    child: subprocess.Popen | None = None
+    stopped = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal stopped
+        stopped = True
+        if child is not None:
+            child.terminate()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with rate_limited_namespace(rate) as prefix:
+            if stopped:
+                return 128 + signal.SIGTERM  # what the shell reports for a command ended by SIGTERM
+            child = subprocess.Popen([*prefix, *command])
+            if stopped:  # the signal came while the command was starting, before `child` was set
+                child.terminate()
+            try:
+                return child.wait()
+            finally:
+                # Ctrl-C or an error here: do not leave it running in a deleted namespace.
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _selftest(mib: int) -> None:

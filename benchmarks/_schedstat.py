@@ -35,7 +35,7 @@ class HandlerRunQueue:
         self.available = run_queue_seconds() is not None
         self.inside = 0.0
         if self.available:
-            table = runtime._handlers  # the runtime's dispatch table (diagnostics only)
+            table = runtime.handlers  # the runtime's kind -> handler table
             for kind, handler in list(table.items()):
                 table[kind] = self._wrap(handler)
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 import splitgrad
 from splitgrad.parallel import FSDPStage
 from splitgrad.pipeline import build_runtime, pipeline_groups
-from splitgrad.pipeline.build import sequential_stages
+from splitgrad.pipeline.runtime import sequential_stages
 from splitgrad.testing import spawn
 
 PP, DP = 2, 2

@@ -2,9 +2,9 @@
 
 2 gloo ranks, EP = 2, a small MoE GPT; per sample, with microbatch 0's forward done, it times the pair
 "backward of microbatch 0 + forward of microbatch 1" run in order and run overlapped
-(:func:`splitgrad.parallel.expert.overlapped_forward_backward`, once per ``--driver``: ``threads``, the backward
-on a second thread; ``steps``, one thread stepping the forward at each backward exchange), round-robin, and the
-all-to-alls of that pair alone (the same split sizes, no compute). Two wgrad modes; a row per mode and driver:
+(:func:`splitgrad.parallel.expert.overlapped_forward_backward`: one thread stepping the forward at each backward
+exchange), round-robin, and the all-to-alls of that pair alone (the same split sizes, no compute). Two wgrad
+modes, a row each:
 
 * ``immediate``: weight gradients inside the backward;
 * ``delayed``: deferred wgrad; the pair includes microbatch 0's *expert* weight gradients, run after its backward
@@ -18,22 +18,21 @@ Reported (rank 0, medians):
   threads, the kernel's socket copies charged to them). That CPU needs the core the compute runs on, so on
   this box at most ``hideable = (comm - comm CPU) / comm`` can vanish behind compute (an accelerator's
   transfers would not take it from the compute);
-* ``sequential`` / ``overlapped``: the pair's wall time, and its CPU time (both threads; load-independent);
+* ``sequential`` / ``overlapped``: the pair's wall time, and its CPU time (load-independent);
 * ``hidden = (sequential - overlapped) / comm alone``, per sample (the sample's sequential and overlapped pair
   ran back to back and its exchanges right after) and the median of those, with its quartiles; next to the
   most the compute could cover, ``coverable = min(comm, sequential - comm) / comm`` (of the medians);
-* ``waits covered by order``: of the overlapped pair's exchange waits (both parts, the expert W inside the
-  dispatch counted as compute), the fraction during which the other part was not waiting as well, from the
-  process's own timestamps: an event-order figure that a loaded machine distorts much less than wall times.
-  With ``steps`` (one thread) it is the fraction of the exchanges' in-flight time during which the thread was
-  not blocked in a wait (it computed the other part).
+* ``waits covered by order``: of the time the overlapped pair's exchanges were in flight, the fraction during
+  which the thread was not blocked in a wait (it computed the other part), from the process's own timestamps:
+  an event-order figure that a loaded machine distorts much less than wall times.
 
 Communication must take wall time, not CPU, for overlap to be visible: run it inside a rate-limited namespace::
 
     python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py
     python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py
-    python benchmarks/_netns.py --rate 4gbit -- python benchmarks/bench_moe_overlap.py --exclusive-compute
-    python benchmarks/_netns.py --rate 1gbit -- python benchmarks/bench_moe_overlap.py --driver threads,steps
+
+(The retired ``threads`` driver of ``overlapped_forward_backward`` had rows here too; docs/expert_parallel.md
+keeps its last measurements.)
 """
 
 from __future__ import annotations
@@ -47,13 +46,8 @@ import torch.distributed as dist
 
 import splitgrad
 from splitgrad.models import MoEConfig, MoEGPT, lm_loss
-from splitgrad.parallel.expert import (
-    DRIVERS,
-    ExpertParallelMoEGPT,
-    ExpertParallelMoEMLP,
-    overlapped_forward_backward,
-    run_expert_wgrad,
-)
+from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, overlapped_forward_backward
+from splitgrad.parallel.expert.dispatch_wgrad import run_expert_wgrad
 from splitgrad.testing import spawn
 
 
@@ -109,28 +103,9 @@ def _measure(intervals) -> float:
     return sum(end - start for start, end in _union(intervals))
 
 
-def _covered_by_order(comm_log: list, wgrad_log: list) -> float:
-    """Of the overlapped pair's exchange waits, the fraction during which the other part was *not* waiting too.
-
-    From one process's own timestamps (load-independent in the sense that both threads are timed by the same
-    clock): the forward part's waits are its dispatch/combine intervals, the backward part's are its
-    "... backward" intervals minus the expert W run inside them (compute). Where both wait at once nothing
-    computes: that time is exposed whatever the machine's speed.
-    """
-    forward = [(s, e) for name, s, e in comm_log if not name.endswith("backward")]
-    backward = _minus(
-        [(s, e) for name, s, e in comm_log if name.endswith("backward")], [(s, e) for _, s, e in wgrad_log]
-    )
-    total = _measure(forward) + _measure(backward)
-    if total == 0:
-        return float("nan")
-    both = _measure(_minus(forward, _minus(forward, backward)))  # forward waits that are also backward waits
-    return 1.0 - 2 * both / total
-
-
 def _covered_by_steps(comm_log: list, wait_log: list) -> float:
-    """One thread (the steps driver): of the time the pair's exchanges were in flight (issue to wait end), the
-    fraction during which the thread was not blocked in a wait (it computed the other part meanwhile)."""
+    """Of the time the pair's exchanges were in flight (issue to wait end), the fraction during which the thread
+    was not blocked in a wait (it computed the other part meanwhile)."""
     in_flight = [(s, e) for name, s, e in comm_log if name != "dispatch counts"]
     total = _measure(in_flight)
     if total == 0:
@@ -146,18 +121,17 @@ def _expert_wgrad(model: MoEGPT) -> None:
 
 
 def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> tuple:
-    """``(model, fwd_group, ids, comm_log, wgrad_log, wait_log)``: the EP MoE GPT both MoE scripts time (forward
-    and backward exchanges on separate groups: the threads driver needs them, the steps driver works either way),
-    two microbatches ``(batch, seq)`` of this rank's ids, and the lists its MoE layers log exchanges / expert W /
+    """``(model, group, ids, comm_log, wgrad_log, wait_log)``: the EP MoE GPT both MoE scripts time, two
+    microbatches ``(batch, seq)`` of this rank's ids, and the lists its MoE layers log exchanges / expert W /
     blocking waits into."""
     torch.manual_seed(0)
-    fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    group = dist.new_group(list(range(world)))
     config = MoEConfig(
         vocab_size=256, seq_len=args.seq, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
         ffn_hidden_size=4 * args.hidden, moe_ffn_hidden_size=2 * args.hidden, num_experts=4, top_k=2,
         delay_wgrad_compute=delayed, router_force_load_balancing=args.balanced_routing,
     )  # fmt: skip
-    model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
+    model = ExpertParallelMoEGPT(config, ep_group=group)
     gen = torch.Generator().manual_seed(rank)
     ids = [torch.randint(0, 256, (args.batch, args.seq), generator=gen) for _ in range(2)]
     comm_log: list = []
@@ -165,39 +139,32 @@ def build_pair_model(rank: int, world: int, args: argparse.Namespace, delayed: b
     wait_log: list = []
     for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
         layer.comm_log, layer.wgrad_log, layer.wait_log = comm_log, wgrad_log, wait_log
-    return model, fwd, ids, comm_log, wgrad_log, wait_log
+    return model, group, ids, comm_log, wgrad_log, wait_log
 
 
 def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dict[str, float]:
-    model, fwd, ids, comm_log, wgrad_log, wait_log = build_pair_model(rank, world, args, delayed)
-    variants = ["sequential", *args.drivers]
+    model, group, ids, comm_log, wgrad_log, wait_log = build_pair_model(rank, world, args, delayed)
+    variants = ["sequential", "overlapped"]
     timings: dict[str, list[float]] = {"comm alone": [], "comm cpu": []}
     for sample in range(args.warmup + args.samples):
         for variant in variants:
             loss0 = lm_loss(model(ids[0]), ids[0])
-            dist.barrier(fwd)
+            dist.barrier(group)
             comm_log.clear()
             wgrad_log.clear()
             wait_log.clear()
             start, cpu = time.perf_counter(), time.process_time()
-            if variant != "sequential":
-                exclusive = args.exclusive_compute and variant == "threads"
-                logits1 = overlapped_forward_backward(
-                    model, ids[1], loss0, driver=variant, exclusive_compute=exclusive
-                )
+            if variant == "overlapped":
+                logits1 = overlapped_forward_backward(model, ids[1], loss0)
             else:
                 loss0.backward()
                 if delayed:
                     _expert_wgrad(model)
                 logits1 = model(ids[1])
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if variant != "sequential" and sample >= args.warmup:
-                covered = (
-                    _covered_by_steps(list(comm_log), list(wait_log))
-                    if variant == "steps"
-                    else _covered_by_order(list(comm_log), list(wgrad_log))
-                )
-                timings.setdefault(f"{variant} covered by order", []).append(covered)
+            if variant == "overlapped" and sample >= args.warmup:
+                covered = _covered_by_steps(list(comm_log), list(wait_log))
+                timings.setdefault("covered by order", []).append(covered)
             lm_loss(logits1, ids[1]).backward()
             splitgrad.backward_dw(model)
             model.zero_grad(set_to_none=True)
@@ -205,21 +172,20 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
                 timings.setdefault(variant, []).append(elapsed)
                 timings.setdefault(f"{variant} cpu", []).append(cpu)
         if sample >= args.warmup:
-            wall, cpu = _comm_alone(_pair_exchanges(model, fwd), fwd)
+            wall, cpu = _comm_alone(_pair_exchanges(model, group), group)
             timings["comm alone"].append(wall)
             timings["comm cpu"].append(cpu)
     out = {k: statistics.median(v) for k, v in timings.items()}
-    for variant in args.drivers:
-        # Paired per sample (its sequential and overlapped pair ran back to back, its exchanges right after):
-        # drift and load spikes between samples cancel, where a ratio of medians would mix them.
-        hidden = [
-            (seq - ovl) / comm
-            for seq, ovl, comm in zip(
-                timings["sequential"], timings[variant], timings["comm alone"], strict=True
-            )
-        ]
-        out[f"{variant} hidden"] = statistics.median(hidden)
-        out[f"{variant} hidden q"] = _quartiles(hidden)
+    # Paired per sample (its sequential and overlapped pair ran back to back, its exchanges right after):
+    # drift and load spikes between samples cancel, where a ratio of medians would mix them.
+    hidden = [
+        (seq - ovl) / comm
+        for seq, ovl, comm in zip(
+            timings["sequential"], timings["overlapped"], timings["comm alone"], strict=True
+        )
+    ]
+    out["hidden"] = statistics.median(hidden)
+    out["hidden q"] = _quartiles(hidden)
     return out
 
 
@@ -235,8 +201,8 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict
     return {mode: _mode(rank, world, args, mode == "delayed") for mode in args.modes}
 
 
-def add_pair_arguments(parser: argparse.ArgumentParser, driver_help: str) -> None:
-    """The model, sampling and ``--driver`` options this script and ``diag_moe_overlap.py`` share."""
+def add_pair_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and sampling options this script and ``diag_moe_overlap.py`` share."""
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
@@ -249,26 +215,11 @@ def add_pair_arguments(parser: argparse.ArgumentParser, driver_help: str) -> Non
         help="route round-robin (MoEConfig.router_force_load_balancing): every expert, hence every rank, gets the "
         "same number of token copies; without it the learned router loads the ranks unevenly",
     )
-    parser.add_argument(
-        "--driver",
-        dest="drivers",
-        type=lambda text: [d.strip() for d in text.split(",") if d.strip()],
-        default=["steps"],
-        help=driver_help,
-    )
-
-
-def check_drivers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse an empty or unknown ``--driver`` list (argparse's usage error)."""
-    if not args.drivers or any(d not in DRIVERS for d in args.drivers):
-        parser.error(f"--driver: choose from {', '.join(DRIVERS)}; got {args.drivers}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_pair_arguments(
-        parser, "comma-separated overlapped_forward_backward drivers, a row each: threads, steps"
-    )
+    add_pair_arguments(parser)
     parser.add_argument(
         "--modes",
         type=lambda text: [m.strip() for m in text.split(",") if m.strip()],
@@ -276,43 +227,34 @@ def main() -> None:
         help="comma-separated wgrad modes, each a row: immediate, delayed (expert W inside the dispatch)",
     )
     parser.add_argument("--delayed", action="store_true", help="only the delayed mode (--modes delayed)")
-    parser.add_argument(
-        "--exclusive-compute",
-        action="store_true",
-        help="threads driver with exclusive_compute=True: one part computes at a time, switching at waits",
-    )
     args = parser.parse_args()
     if args.delayed:
         args.modes = ["delayed"]
     bad = [m for m in args.modes if m not in ("immediate", "delayed")]
     if bad or not args.modes:
         parser.error(f"--modes: choose from immediate, delayed; got {args.modes}")
-    check_drivers(parser, args)
     results = spawn(rank_main, 2, args, timeout=1800.0, pg_timeout=600.0)
     print(
         f"tokens per microbatch per rank {args.batch * args.seq}, hidden {args.hidden}, {args.layers} MoE layers; "
-        f"routing {'balanced (forced)' if args.balanced_routing else 'learned'}; "
-        f"exclusive_compute={args.exclusive_compute}; rank 0 medians"
+        f"routing {'balanced (forced)' if args.balanced_routing else 'learned'}; rank 0 medians"
     )
     print(
-        "| wgrad | driver | comm alone (ms) | comm CPU (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up "
+        "| wgrad | comm alone (ms) | comm CPU (ms) | sequential pair (ms) | overlapped pair (ms) | speed-up "
         "| A2A hidden | (quartiles) | coverable | hideable | pair CPU seq / ovl (ms) | waits covered by order |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode in args.modes:
         r = results[0][mode]
         comm, seq = r["comm alone"], r["sequential"]
         coverable = min(comm, max(seq - comm, 0.0)) / comm
         hideable = max(comm - r["comm cpu"], 0.0) / comm
-        for driver in args.drivers:
-            ovl = r[driver]
-            print(
-                f"| {mode} | {driver} | {comm * 1e3:.1f} | {r['comm cpu'] * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} "
-                f"| {seq / ovl:.3f} | {r[f'{driver} hidden']:.0%} | "
-                f"[{r[f'{driver} hidden q'][0]:.0%}, {r[f'{driver} hidden q'][1]:.0%}] | "
-                f"{coverable:.0%} | {hideable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
-                f"{r[f'{driver} cpu'] * 1e3:.1f} | {r[f'{driver} covered by order']:.0%} |"
-            )
+        ovl = r["overlapped"]
+        print(
+            f"| {mode} | {comm * 1e3:.1f} | {r['comm cpu'] * 1e3:.1f} | {seq * 1e3:.1f} | {ovl * 1e3:.1f} "
+            f"| {seq / ovl:.3f} | {r['hidden']:.0%} | [{r['hidden q'][0]:.0%}, {r['hidden q'][1]:.0%}] | "
+            f"{coverable:.0%} | {hideable:.0%} | {r['sequential cpu'] * 1e3:.1f} / "
+            f"{r['overlapped cpu'] * 1e3:.1f} | {r['covered by order']:.0%} |"
+        )
 
 
 if __name__ == "__main__":

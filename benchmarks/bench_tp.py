@@ -39,8 +39,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import splitgrad
 from _timing import interleaved_medians
-from splitgrad.functional import tp_comm
-from splitgrad.functional.tp_comm import all_gather_dim0, reduce_scatter_dim0
+from splitgrad.distributed import tp_comm
+from splitgrad.distributed.tp_comm import all_gather_dim0, reduce_scatter_dim0
 from splitgrad.testing import spawn
 
 
@@ -66,8 +66,8 @@ class WaitRecorder:
         started: dict[int, str] = {}
         rec = self
 
-        def traced_init(pc, result, work, what, timeout_s):  # the original signature
-            init(pc, result, work, what, timeout_s)
+        def traced_init(pc, result, work, what, cfg):  # the original signature
+            init(pc, result, work, what, cfg)
             if work is not None:  # asynchronous: the overlappable ones
                 world = dist.get_world_size()
                 size = result.numel() * result.element_size()

@@ -5,8 +5,8 @@ model and data of ``bench_pipeline.py``, 2-D activations or with ``--3d`` 3-D; o
 ``benchmarks/_netns.py``).
 
 Wall-clock waits on a loaded machine mix transport with a producer that was simply late (descheduled), so
-besides the measured and simulated bubbles and :func:`~splitgrad.pipeline.measure.idle_breakdown`, each
-receive of the last step is split using the per-step :class:`~splitgrad.pipeline.comm_stats.CommStats` of
+besides the measured and simulated bubbles and :func:`~splitgrad.pipeline.timeline.idle_breakdown`, each
+receive of the last step is split using the per-step :class:`~splitgrad.pipeline.runtime.comm.CommStats` of
 both ranks (``time.perf_counter`` is one clock for every process of a host):
 
 * ``lead``: how long before its action needed it the receive was posted (0: posted at the need);
@@ -22,8 +22,8 @@ action outside the handlers (``StepResult.runtime_cpu``), how long the runtime's
 receive buffers and unconfirmed sends held.
 
 And per step and rank, the step replayed at its own per-action durations
-(:func:`splitgrad.pipeline.replay.replay_measured`, the simulator's engine) and
-:func:`~splitgrad.pipeline.replay.overhead_split`: measured span - replay span = dispatch (idle with every input
+(:func:`splitgrad.pipeline.timeline.replay_measured`, the simulator's engine) and
+:func:`~splitgrad.pipeline.timeline.overhead_split`: measured span - replay span = dispatch (idle with every input
 produced, no receive running: Python between actions) + transport (in a receive wait after the producer had
 finished) + propagated (waiting beyond the replay's for a producer delayed on its own rank).
 """
@@ -37,11 +37,17 @@ from dataclasses import asdict
 
 import torch.nn.functional as F
 
+from _pipeline_variants import BenchConfig, batch, cut
 from _schedstat import HandlerRunQueue
-from bench_pipeline import BenchConfig, batch, cut
-from splitgrad.pipeline.build import build_runtime
-from splitgrad.pipeline.measure import gather_events, idle_breakdown, measured_bubble_ratio, simulate_measured
-from splitgrad.pipeline.replay import overhead_split, replay_measured
+from splitgrad.pipeline.runtime import build_runtime
+from splitgrad.pipeline.runtime.recording import gather_events
+from splitgrad.pipeline.timeline import (
+    idle_breakdown,
+    measured_bubble_ratio,
+    overhead_split,
+    replay_measured,
+    simulate_measured,
+)
 from splitgrad.testing import spawn
 
 

@@ -23,8 +23,8 @@ import time
 
 import torch.nn.functional as F
 
-from bench_pipeline import BenchConfig, batch, cut
-from splitgrad.pipeline.build import build_runtime
+from _pipeline_variants import BenchConfig, batch, cut
+from splitgrad.pipeline.runtime import build_runtime
 from splitgrad.testing import spawn
 
 

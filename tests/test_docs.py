@@ -1,4 +1,4 @@
-"""Every code block in README.md and docs/*.md runs as written.
+"""Every code block in README.md, CONTRIBUTING.md and docs/*.md runs as written.
 
 Why: documentation is the newcomer's first program. A ```python block runs in a fresh namespace in a scratch
 directory; one preceded by ``<!-- run: ranks=N -->`` runs as a script under ``torchrun --nproc-per-node N``
@@ -25,7 +25,7 @@ import splitgrad
 
 ROOT = Path(__file__).resolve().parents[1]
 _SRC = str(Path(splitgrad.__file__).resolve().parents[1])
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "text"}
 MAX_NOT_RUN = 2  # exclusions stay rare; raising this needs a reason in the docs *and* a review
 _FENCE = re.compile(r"^```(\S*)\s*$")
@@ -364,5 +364,5 @@ def test_the_command_check_rejects_bad_commands(tmp_path, monkeypatch):
         with pytest.raises((AssertionError, ValueError)):
             check_command("sample.md:1", argv, tmp_path, monkeypatch)
     # A flag a script takes from a sibling benchmark module it imports is known.
-    shared = [".venv/bin/python", "benchmarks/diag_moe_overlap.py", "--driver", "threads,steps"]
+    shared = [".venv/bin/python", "benchmarks/diag_moe_overlap.py", "--balanced-routing"]
     assert check_command("sample.md:1", shared, tmp_path, monkeypatch) == "benchmark flags"

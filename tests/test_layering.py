@@ -1,5 +1,5 @@
-"""Imports point one way: core -> functional -> module / ops -> parallel / graphs / models -> pipeline ->
-integrations -> cli.
+"""Imports point one way: core -> functional -> distributed -> module / ops -> models -> parallel / graphs -> pipeline
+-> integrations -> testing -> cli.
 
 Why: the layout is meant to show the architecture (CONVENTIONS.md, README's Layout). A lower layer importing a
 higher one, ``module/`` and ``ops/`` importing each other, or one package reaching into another's private
@@ -19,27 +19,28 @@ SRC = Path(__file__).parents[1] / "src" / "splitgrad"
 #: Layer of each top-level part of the package (equal numbers: siblings).
 LAYERS = {
     "core": 0,
-    "functional": 1,
-    "module": 2,
-    "ops": 2,
-    "parallel": 3,
-    "graphs": 3,
-    "models": 3,
-    "pipeline": 4,
-    "testing": 5,  # test doubles and references: may use anything below the CLI; the library never imports it
-    "integrations": 6,  # other people's code (transformers' experts, ...), each imported lazily
-    "convert": 6,  # nn.Linear -> splitgrad.Linear and HF experts: built on module/ and integrations/
-    "cli": 7,
-    "__main__": 7,
-    "": 7,  # the package facade (splitgrad/__init__.py) re-exports from every layer
+    "functional": 1,  # pure kernels: no process groups
+    "distributed": 2,  # process-group plumbing: group references, TP collectives, launch, teardown, waits
+    "module": 3,
+    "ops": 3,
+    "models": 4,  # the demo models: parallel/ builds its expert-parallel twins from their parts
+    "parallel": 5,
+    "graphs": 5,
+    "pipeline": 6,
+    "integrations": 7,  # other people's code (transformers' experts, ...), each imported lazily
+    "convert": 7,  # nn.Linear -> splitgrad.Linear and HF experts: built on module/ and integrations/
+    "testing": 8,  # test doubles and references: may use anything below the CLI; the library never imports it
+    "cli": 9,
+    "__main__": 9,
+    "": 9,  # the package facade (splitgrad/__init__.py) re-exports from every layer
 }
 #: Siblings that must not import each other.
 SEPARATE = {frozenset({"module", "ops"})}
 #: Upward edges allowed on purpose, with the reason.
 ALLOWED = {
     # One torch-free action grammar (issue 12): capture orders are read with the pipeline's parser.
-    # pipeline/actions.py imports only the standard library, so no cycle and nothing heavy comes with it.
-    ("splitgrad.graphs.order", "splitgrad.pipeline.actions"),
+    # pipeline/ir/actions.py imports only the standard library, so no cycle and nothing heavy comes with it.
+    ("splitgrad.graphs.order", "splitgrad.pipeline.ir.actions"),
 }
 
 
@@ -225,6 +226,9 @@ def test_no_import_cycles_between_packages():
             "higher layer 'integrations'",
         ),
         (("splitgrad.integrations.transformers.experts", "splitgrad.cli.demo"), "higher layer 'cli'"),
+        (("splitgrad.functional.wgrad", "splitgrad.distributed.group_ref"), "higher layer 'distributed'"),
+        (("splitgrad.distributed.tp_comm", "splitgrad.module.linear"), "higher layer 'module'"),
+        (("splitgrad.models.moe", "splitgrad.parallel.expert.layer"), "higher layer 'parallel'"),
     ],
 )
 def test_the_checks_reject_a_wrong_edge(edge, expected):

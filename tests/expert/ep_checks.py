@@ -98,7 +98,7 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
             for layer in moe_layers(ep):
                 if sum(layer.last_tokens_per_expert) != world * local_b * seq * config.top_k:
                     raise AssertionError(f"global token count {layer.last_tokens_per_expert}")
-        # The single-thread steps driver over one group, EP = world: bitwise as the same two microbatches in order.
+        # The overlapped pair (one thread, one group), EP = world: bitwise as the same two microbatches in order.
         steps_pair_bitwise(
             lambda o=overrides, e=experts: ExpertParallelMoEGPT(
                 moe_config(**o, delay_wgrad_compute=True), ep_group=group, experts=e
@@ -135,32 +135,30 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
 
 
 def steps_pair_bitwise(make, ref, ids: torch.Tensor, targets: torch.Tensor) -> None:
-    """``F0 B0 F1 B1 W`` against ``F0 (F1 || B0) B1 W`` with ``driver="steps"``, the same microbatch twice (a
-    model from ``make()`` loaded with ``ref``'s weights each time): gradients bitwise equal, and the pair really
-    stepped the forward inside the backward."""
+    """``F0 B0 F1 B1 W`` against ``F0 (F1 || B0) B1 W`` (``overlapped_forward_backward``), the same microbatch
+    twice (a model from ``make()`` loaded with ``ref``'s weights each time): gradients bitwise equal, and the
+    pair really stepped the forward inside the backward."""
     from splitgrad.parallel.expert import overlapped_forward_backward
 
     runs = {}
-    for driver in (None, "steps"):
+    for overlapped in (False, True):
         model = make()
         load_full_state_dict(model, ref.state_dict())
         loss0 = lm_loss(model(ids), targets)
-        if driver is None:
+        if not overlapped:
             loss0.backward()
             logits1 = model(ids)
         else:
             stats: dict = {}
-            logits1 = overlapped_forward_backward(model, ids, loss0, driver=driver, thread_stats=stats)
+            logits1 = overlapped_forward_backward(model, ids, loss0, thread_stats=stats)
             if stats["forward"]["in_backward"] == 0:
-                raise AssertionError(
-                    f"the steps driver never advanced the forward inside the backward: {stats}"
-                )
+                raise AssertionError(f"the pair never advanced the forward inside the backward: {stats}")
         lm_loss(logits1, targets).backward()
         splitgrad.backward_dw(model)
-        runs[driver] = grads(model)
-    for name, g in runs["steps"].items():
+        runs[overlapped] = grads(model)
+    for name, g in runs[True].items():
         torch.testing.assert_close(
-            g, runs[None][name], rtol=0, atol=0, msg=lambda m, n=name: f"steps: {n}: {m}"
+            g, runs[False][name], rtol=0, atol=0, msg=lambda m, n=name: f"overlapped: {n}: {m}"
         )
 
 
@@ -261,13 +259,12 @@ def wrap_expert_dp(model, edp_group) -> ExpertDataParallel:
 
 
 def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
-    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1``, the pair OS-scheduled, with
-    ``exclusive_compute`` (parts switch only at exchange waits) and with the single-thread steps driver (forward
-    and backward on one group): losses and gradients bitwise equal; the steps driver really interleaves, in the
-    same issue order on every rank; either part's error is named and leaves no exchange unwaited."""
+    """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1`` (one thread, forward and backward on one group):
+    losses and gradients bitwise equal; the pair really interleaves, in the same issue order on every rank;
+    either part's error is named and leaves no exchange unwaited."""
     from splitgrad.parallel.expert import overlapped_forward_backward
 
-    ep_group, back_group = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    ep_group = dist.new_group(list(range(world)))
     config = moe_config()
     ref = build(MoEGPT, config)
     ids, targets = batch(config, batch_size=4 * world, seq=8)
@@ -275,13 +272,9 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
     out = []
     for delay, experts in modes:
         runs = []
-        for variant in ("sequential", "overlapped", "exclusive", "steps"):
-            overlapped = variant != "sequential"
+        for overlapped in (False, True):
             model = ExpertParallelMoEGPT(
-                moe_config(delay_wgrad_compute=delay == "delayed"),
-                ep_group=ep_group,
-                ep_backward_group=ep_group if variant == "steps" else back_group,
-                experts=experts,
+                moe_config(delay_wgrad_compute=delay == "delayed"), ep_group=ep_group, experts=experts
             )
             load_full_state_dict(model, ref.state_dict())
             watch = _ExpertWatch(model)
@@ -289,29 +282,18 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             before_pair = len(watch.comm)
             if overlapped:
                 stats: dict = {}
-                logits1 = overlapped_forward_backward(
-                    model,
-                    local[0][1],
-                    loss0,
-                    thread_stats=stats,
-                    exclusive_compute=variant == "exclusive",
-                    driver="steps" if variant == "steps" else "threads",
-                )
+                logits1 = overlapped_forward_backward(model, local[0][1], loss0, thread_stats=stats)
                 watch.after_pair(delayed=delay == "delayed")
-                if variant == "steps":
-                    _check_step_stats(stats, model)
-                else:
-                    _check_pair_stats(stats, model, exclusive=variant == "exclusive")
+                _check_pair_stats(stats, model)
             else:
                 loss0.backward()
                 logits1 = model(local[0][1])
             pair_log = watch.comm[before_pair:]
-            if overlapped:  # every driver: the forward started once the backward's first exchange was issued
+            if overlapped:  # the forward started once the backward's first exchange was issued
                 check_backward_leads(pair_log)
-            if variant == "steps":
                 check_interleaved(pair_log)
                 check_same_issue_order(pair_log, ep_group)
-            elif variant == "sequential":  # not trivially passing: the in-order pair is no interleave
+            else:  # not trivially passing: the in-order pair is no interleave
                 try:
                     check_interleaved(pair_log)
                 except AssertionError:
@@ -331,30 +313,16 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
                 splitgrad.backward_dw(model)
             watch.after_step(delayed=delay == "delayed", overlapped=overlapped)
             runs.append((torch.stack([loss0.detach(), loss1.detach()]), grads(model)))
-        (la, ga), *others = runs
-        for lb, gb in others:
-            torch.testing.assert_close(lb, la, rtol=0, atol=0)
-            for name in ga:
-                torch.testing.assert_close(
-                    gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}"
-                )
+        (la, ga), (lb, gb) = runs
+        torch.testing.assert_close(lb, la, rtol=0, atol=0)
+        for name in ga:
+            torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         if delay == "delayed":  # microbatch 1's expert W was added to what ran inside the dispatch: not lost
             first = watch.snapshot
             if torch.equal(first, gb["blocks.0.mlp.fc1.weight0"]):
                 raise AssertionError("the expert gradient after the step equals microbatch 0's alone")
         out.append(f"{delay}/{experts}")
-    # A model whose forward and backward share one group is refused by the threads driver (its collectives
-    # could interleave differently on each rank).
-    shared = ExpertParallelMoEGPT(config, ep_group=ep_group)
-    try:
-        overlapped_forward_backward(
-            shared, local[0][0], torch.zeros((), requires_grad=True), driver="threads"
-        )
-    except ValueError as exc:
-        out.append(str(exc))
-    else:
-        raise AssertionError("overlap with a shared group was accepted")
-    out.append(step_driver_errors(shared, local[0]))
+    out.append(pair_errors(ExpertParallelMoEGPT(config, ep_group=ep_group), local[0]))
     return out
 
 
@@ -393,10 +361,10 @@ def check_same_issue_order(log: list, group) -> None:
         raise AssertionError(f"issue orders differ between ranks: {orders}")
 
 
-def step_driver_errors(model, inputs) -> str:
-    """With the steps driver an error in either part is named, and the exchange the other part had in flight
-    is waited (logged) before the error surfaces; the group works afterwards."""
-    from splitgrad.parallel.expert import OverlappedMoEStage, overlapped_forward_backward
+def pair_errors(model, inputs) -> str:
+    """An error in either part of the pair is named, and the exchange the other part had in flight is waited
+    (logged) before the error surfaces; the group works afterwards."""
+    from splitgrad.parallel.expert import overlapped_forward_backward
 
     log: list = []
     for layer in moe_layers(model):
@@ -407,7 +375,7 @@ def step_driver_errors(model, inputs) -> str:
     logits = model(ids)
     log.clear()
     try:
-        overlapped_forward_backward(model, ids, logits, torch.ones(1, dtype=logits.dtype), driver="steps")
+        overlapped_forward_backward(model, ids, logits, torch.ones(1, dtype=logits.dtype))
     except RuntimeError as exc:
         if "backward part failed" not in str(exc) or log:
             raise AssertionError(f"backward failure: {exc}; exchanges waited {log}") from exc
@@ -422,7 +390,7 @@ def step_driver_errors(model, inputs) -> str:
     handle.remove()
     log.clear()
     try:
-        overlapped_forward_backward(model, ids, loss, driver="steps")
+        overlapped_forward_backward(model, ids, loss)
     except RuntimeError as exc:
         waited = [n for n, _, _ in sorted(log, key=lambda entry: entry[1])]
         if "backward part failed" not in str(exc) or waited != [
@@ -441,7 +409,7 @@ def step_driver_errors(model, inputs) -> str:
         lambda *_: (_ for _ in ()).throw(KeyError("boom"))
     )
     try:
-        overlapped_forward_backward(model, ids, loss, driver="steps")
+        overlapped_forward_backward(model, ids, loss)
     except RuntimeError as exc:
         if "forward part failed" not in str(exc) or not isinstance(exc.__cause__, KeyError):
             raise AssertionError(f"forward failure reported as {exc!r}") from exc
@@ -451,19 +419,11 @@ def step_driver_errors(model, inputs) -> str:
         handle.remove()
     check = torch.ones(1)
     dist.all_reduce(check, group=model.blocks[0].mlp.ep_group)  # the group is not left mid-collective
-    for bad in ({"driver": "thread"}, {"driver": "steps", "exclusive_compute": True}):
-        try:
-            OverlappedMoEStage(model, **bad)
-        except ValueError as exc:
-            if "driver=" not in str(exc):
-                raise AssertionError(str(exc)) from exc
-        else:
-            raise AssertionError(f"OverlappedMoEStage accepted {bad}")
     return "errors named"
 
 
-def _check_step_stats(stats: dict, model) -> None:
-    """``thread_stats`` of a steps pair: one thread; the backward started first and every forward step but the
+def _check_pair_stats(stats: dict, model) -> None:
+    """``thread_stats`` of a pair: one thread; the backward started first and every forward step but the
     last ran inside a backward exchange (two per MoE layer); the forward's end ran after the backward."""
     layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
     forward, backward, pair = stats["forward"], stats["backward"], stats["pair"]
@@ -474,25 +434,6 @@ def _check_step_stats(stats: dict, model) -> None:
         raise AssertionError(f"step spans out of order: {stats}")
     if not (forward["cpu"] > 0 and backward["cpu"] > 0 and forward["num_threads"] == 1):
         raise AssertionError(f"step stats {stats}")
-
-
-def _check_pair_stats(stats: dict, model, *, exclusive: bool) -> None:
-    """``thread_stats`` of a pair: both parts timed, on one torch thread each; with ``exclusive_compute`` both
-    parts handed the baton over at their waits (forward: dispatch, combine, aux all-reduce per layer — the
-    token-count wait keeps it; backward: combine and dispatch backward per layer) and no layer kept the pair's
-    baton."""
-    for part in ("forward", "backward"):
-        entry = stats[part]
-        if not (entry["end"] >= entry["start"] and entry["cpu"] > 0 and entry["num_threads"] == 1):
-            raise AssertionError(f"thread_stats[{part!r}] = {entry}")
-    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)]
-    if any(layer.compute_baton is not None for layer in layers):
-        raise AssertionError("a layer kept the pair's compute baton")
-    expected = 5 * len(layers) if exclusive else None
-    if stats.get("handoffs") != expected:
-        raise AssertionError(f"baton handoffs {stats.get('handoffs')}, expected {expected}")
-    if exclusive and len(stats["baton_waits"]) != expected:
-        raise AssertionError(f"{len(stats['baton_waits'])} baton take-backs logged for {expected} hand-offs")
 
 
 class _ExpertWatch:

@@ -1,11 +1,10 @@
 """Rank function: ExpertDataParallel x batch-level overlap (module-level: pickled by name by ``spawn``).
 
 EP = 2 x expert-DP = 2 on 4 ranks, two microbatches in flight, delayed wgrad: ``F0 (F1 || B0) B1 W`` through
-the wrapper (both drivers) against ``F0 B0 F1 B1 W`` and the single-process ``MoEGPT``. The overlapped pair's
-backward fires wgrad hooks (microbatch 0's expert W inside the dispatch all-to-all) while the forward part
-issues all-to-alls and the aux-loss all-reduce (threads: from the backward thread; steps: between the forward's
-steps); every bucket must still start exactly once, from a hook, on the calling thread (the pair runs inside
-the wrapper's ``no_sync()``).
+the wrapper against ``F0 B0 F1 B1 W`` and the single-process ``MoEGPT``. The overlapped pair's backward fires
+wgrad hooks (microbatch 0's expert W inside the dispatch all-to-all) between the forward's steps, which issue
+all-to-alls and the aux-loss all-reduce; every bucket must still start exactly once, from a hook of the last
+microbatch (the pair runs inside the wrapper's ``no_sync()``).
 """
 
 from __future__ import annotations
@@ -28,35 +27,15 @@ from tests.helpers import grads
 from tests.models.helpers import batch, build, moe_config
 
 
-def _backward_group(rank: int, world: int, ep: int) -> dist.ProcessGroup:
-    """A second group of this rank's EP ranks (every rank creates every group, in the same order)."""
-    mine = None
-    for start in range(0, world, ep):
-        group = dist.new_group(list(range(start, start + ep)))
-        if start <= rank < start + ep:
-            mine = group
-    return mine
-
-
-def _watch_launches(edp: ExpertDataParallel) -> list[tuple[str, int, str]]:
-    """Record ``(wrapper, bucket, thread name)`` for every bucket launch of both wrappers."""
-    launches: list[tuple[str, int, str]] = []
-    for kind, ddp in (("dense", edp.dense), ("expert", edp.expert)):
-        launch = ddp._launch
-
-        def recorded(bucket, kind=kind, launch=launch) -> None:
-            launches.append((kind, bucket.index, threading.current_thread().name))
-            launch(bucket)
-
-        ddp._launch = recorded  # instance attribute: shadows the method for this wrapper only
-    return launches
+def _launched(edp: ExpertDataParallel) -> list[tuple[str, int]]:
+    """``(wrapper, bucket)`` of every bucket launch of both wrappers this step so far, in issue order."""
+    return [("dense", i) for i in edp.dense.launch_order] + [("expert", i) for i in edp.expert.launch_order]
 
 
 def overlap_with_expert_dp(
     rank: int, world: int, ep: int, ep_group, edp_group, experts: str, local_b: int = 1, seq: int = 8
 ) -> dict:
     """Overlapped vs in-order two-microbatch step under ExpertDataParallel; returns a small report."""
-    back_group = _backward_group(rank, world, ep)
     config = moe_config()
     ref = build(MoEGPT, config)
     ids, targets = batch(config, batch_size=2 * world * local_b, seq=seq)
@@ -70,17 +49,15 @@ def overlap_with_expert_dp(
     mine = [slice(mb * per_mb + rank * local_b, mb * per_mb + (rank + 1) * local_b) for mb in range(2)]
 
     runs, report = {}, {}
-    for overlapped in (False, "threads", "steps"):
+    for overlapped in (False, True):
         model = ExpertParallelMoEGPT(
             moe_config(delay_wgrad_compute=True),
             ep_group=ep_group,
-            ep_backward_group=back_group,
             dp_group=dist.group.WORLD,
             experts=experts,
         )
         load_full_state_dict(model, ref.state_dict())
         edp = wrap_expert_dp(model, edp_group)
-        launches = _watch_launches(edp)
         hook_threads: list[str] = []
         for layer in moe_layers(model):
             for fc in (layer.fc1, layer.fc2):
@@ -92,9 +69,7 @@ def overlap_with_expert_dp(
             layer.wgrad_log = wlog
         if overlapped:  # the bare model under the wrapper is refused before anything runs
             try:
-                overlapped_forward_backward(
-                    model, ids[mine[1]], torch.zeros((), requires_grad=True), driver=overlapped
-                )
+                overlapped_forward_backward(model, ids[mine[1]], torch.zeros((), requires_grad=True))
             except ValueError as exc:
                 if "pass the wrapper" not in str(exc):
                     raise
@@ -105,31 +80,29 @@ def overlap_with_expert_dp(
         x0, t0, x1, t1 = ids[mine[0]], targets[mine[0]], ids[mine[1]], targets[mine[1]]
         loss0 = lm_loss(edp(x0), t0)
         if overlapped:
-            logits1 = overlapped_forward_backward(edp, x1, loss0, driver=overlapped)  # inside edp.no_sync()
-            if launches or len(wlog) != len(moe_layers(model)):
-                raise AssertionError(f"after the pair: launches {launches}, expert W in dispatch {len(wlog)}")
-            pair_thread = "splitgrad-overlap-backward" if overlapped == "threads" else "MainThread"
-            if pair_thread not in hook_threads:
-                raise AssertionError(f"no wgrad hook fired on the {pair_thread}: {hook_threads}")
+            logits1 = overlapped_forward_backward(edp, x1, loss0)  # inside edp.no_sync()
+            if _launched(edp) or len(wlog) != len(moe_layers(model)):
+                raise AssertionError(
+                    f"after the pair: launches {_launched(edp)}, expert W in dispatch {len(wlog)}"
+                )
+            if threading.current_thread().name not in hook_threads:
+                raise AssertionError(f"no wgrad hook fired during the pair: {hook_threads}")
         else:
             with edp.no_sync():
                 loss0.backward()
             logits1 = edp(x1)
         lm_loss(logits1, t1).backward()
         splitgrad.backward_dw(edp)
-        before_finish = list(launches)
+        before_finish = _launched(edp)
         edp.finish_grad_sync()
-        # Every bucket of both wrappers exactly once, from a hook (before finish_grad_sync), on the main thread.
+        # Every bucket of both wrappers exactly once, from a hook (before finish_grad_sync): none from the pair,
+        # which ran inside the wrapper's no_sync() (checked above), so all from the last microbatch's B / W.
         want = sorted(
             [("dense", b.index) for b in edp.dense.buckets]
             + [("expert", b.index) for b in edp.expert.buckets]
         )
-        got = sorted((kind, index) for kind, index, _ in before_finish)
-        threads = {name for _, _, name in launches}
-        if got != want or len(launches) != len(want) or threads != {threading.main_thread().name}:
-            raise AssertionError(
-                f"{overlapped=}: launches {launches}, expected each of {want} once on the main thread"
-            )
+        if sorted(before_finish) != want or len(before_finish) != len(want):
+            raise AssertionError(f"{overlapped=}: launches {before_finish}, expected each of {want} once")
         if splitgrad.pending_wgrad(model):
             raise AssertionError("wgrad work left after the step")
         runs[overlapped] = {name: p.main_grad.clone() for name, p in model.named_parameters()}
@@ -137,17 +110,14 @@ def overlap_with_expert_dp(
             close(g, ref_grads[full_name(model, name)], f"{overlapped=} {experts}: {name}")
         edp.close()
         report[overlapped] = {"buckets": len(want), "hook_threads": sorted(set(hook_threads))}
-    for driver in ("threads", "steps"):
-        for name, g in runs[driver].items():
-            torch.testing.assert_close(
-                g, runs[False][name], rtol=0, atol=0, msg=lambda m, n=name, d=driver: f"{d}: {n}: {m}"
-            )
+    for name, g in runs[True].items():
+        torch.testing.assert_close(g, runs[False][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     # Not trivially passing: the reference of microbatch 1 alone (microbatch 0's gradients lost) is rejected.
     ref1 = build(MoEGPT, config)
     lm_loss(ref1(ids[per_mb:]), targets[per_mb:]).backward()
     lost = grads(ref1)
     try:
-        for name, g in runs["steps"].items():
+        for name, g in runs[True].items():
             close(g, lost[full_name(model, name)], "negative")
     except AssertionError:
         report["negative"] = True

@@ -42,16 +42,14 @@ def _reference(config, batches):
     return ref, torch.stack(ces).mean(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, str | None]]) -> dict:
-    """Per run ``(label, schedule, driver of the overlapped stages or None)``: the runtime's loss and gradients
-    vs the reference (the steps driver on a model whose forward and backward exchanges share one group).
+def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dict:
+    """Per run ``(label, schedule, overlapped stages)``: the runtime's loss and gradients vs the reference.
 
     Returns, per label, the number of parameters checked, the expert-W runs inside dispatches on this rank
     and the gradients (for bitwise comparisons between runs).
     """
     g = pipeline_groups(pp_size=2, dp_size=2)
     ep_group = g.dp_group  # the ranks holding the same stage in the two replicas
-    back = [dist.new_group([p, p + 2]) for p in range(2)][g.pp_rank]
     out: dict = {}
     refs: dict = {}
     for label, name, overlapped in runs:
@@ -61,12 +59,7 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, str | None]]) 
         if n_stages not in refs:
             refs[n_stages] = _reference(config, batches)
         ref, ref_ce, ref_grads = refs[n_stages]
-        model = ExpertParallelMoEGPT(
-            config,
-            ep_group=ep_group,
-            dp_group=ep_group,
-            ep_backward_group=None if overlapped == "steps" else back,
-        )
+        model = ExpertParallelMoEGPT(config, ep_group=ep_group, dp_group=ep_group)
         load_full_state_dict(model, ref.state_dict())
         set_aux_loss_scale(model, 1.0 / M)
         stages = split_into_stages(model, n_stages)
@@ -77,7 +70,7 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, str | None]]) 
         if overlapped:
             # dualpipev pairs the forward of one stage with the backward of another: set the layers themselves.
             set_wgrad_in_dispatch(model, True)
-            stages = [OverlappedMoEStage(s, wgrad_in_dispatch=None, driver=overlapped) for s in stages]
+            stages = [OverlappedMoEStage(s, wgrad_in_dispatch=None) for s in stages]
         if name == "1f1b+overlap":
             schedule = fuse_overlap_pairs(build_schedule("1f1b", 2, M))
         elif name == "dualpipev-plain":
@@ -93,11 +86,11 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, str | None]]) 
             raise AssertionError(f"{label}: no expert W ran inside a dispatch all-to-all")
         if not overlapped and log:
             raise AssertionError(f"{label}: expert W ran inside a dispatch without wgrad_in_dispatch")
-        if overlapped == "steps":  # some forward exchange was issued while a backward exchange was in flight
+        if overlapped:  # some forward exchange was issued while a backward exchange was in flight
             forward = [s for n, s, _ in comm if n in ("dispatch", "combine")]
             backward = [(s, e) for n, s, e in comm if n.endswith(" backward")]
             if not any(bs < fs < be for fs in forward for bs, be in backward):
-                raise AssertionError(f"{label}: the steps driver did not interleave the pair's exchanges")
+                raise AssertionError(f"{label}: the overlapped pairs did not interleave their exchanges")
         loss = result.loss.reshape(1).to(torch.float64)
         dist.all_reduce(loss, group=ep_group)
         close(loss[0] / 2, ref_ce, f"{label}: loss")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import splitgrad
-from splitgrad.parallel.expert import run_expert_wgrad
+from splitgrad.parallel.expert.dispatch_wgrad import run_expert_wgrad
 
 SPLITS = [3, 0, 2]  # an empty expert too
 

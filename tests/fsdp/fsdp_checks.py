@@ -8,14 +8,13 @@ losses, which is what FSDP2's reduce-scatter divides to).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import splitgrad
-from splitgrad.parallel import FSDPStage, defer_fsdp_reduction
+from splitgrad.parallel import FSDPStage, defer_fsdp_reduction, fsdp_reduction_handle
+from tests.helpers import expect_error
 
 F64 = torch.float64
 D = 8
@@ -145,6 +144,7 @@ def check_no_reduce_until_last(rank: int, world: int) -> None:
     """With sync off, W writes nothing into the sharded .grad: held until the last microbatch's W."""
     model = shard_model(build(True))
     handle = defer_fsdp_reduction(model)
+    _check_lookup(model, handle)
     model.set_requires_gradient_sync(False)
     loss_of(model(data(rank, 0))).backward()
     splitgrad.backward_dw(model)
@@ -167,6 +167,21 @@ def check_no_reduce_until_last(rank: int, world: int) -> None:
         raise AssertionError(f"not reduced at the last W: {handle.held_gradients=}")
     assert_grads(full(sharded_grads(model)), reference(world, 2), "held then reduced", bitwise=False)
     handle.remove()
+    if any(fsdp_reduction_handle(model[i]) is not None for i in (1, 3, 4)):
+        raise AssertionError("fsdp_reduction_handle still finds a removed handle")
+
+
+def _check_lookup(model: nn.Sequential, handle) -> None:
+    """``fsdp_reduction_handle``: the handle for every split layer it set up, None for everything else."""
+    found = [fsdp_reduction_handle(model[i]) for i in (1, 3, 4)]
+    if any(h is not handle for h in found):
+        raise AssertionError(f"fsdp_reduction_handle of the split layers: {found}, expected {handle}")
+    # Not trivially passing: a plain torch module, the FSDP2 root, and a split layer that no FSDP2 group
+    # shards (so defer_fsdp_reduction never set it up) have none.
+    others = {"LayerNorm": model[0], "root": model, "unsharded Linear": build(True)[1]}
+    wrong = {name: h for name, m in others.items() if (h := fsdp_reduction_handle(m)) is not None}
+    if wrong:
+        raise AssertionError(f"fsdp_reduction_handle found handles where none was set up: {wrong}")
 
 
 def check_mixed_precision(rank: int, world: int) -> None:
@@ -194,13 +209,13 @@ def check_errors(rank: int, world: int) -> None:
     splitgrad.discard_wgrad(model)
     fused = nn.Sequential(splitgrad.Linear(D, D, delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
     fully_shard(fused)
-    _expect(ValueError, "fuse_wgrad_accumulation", lambda: defer_fsdp_reduction(fused))
-    _expect(ValueError, "no fully_shard", lambda: defer_fsdp_reduction(build(True)))
+    expect_error(ValueError, "fuse_wgrad_accumulation", lambda: defer_fsdp_reduction(fused))
+    expect_error(ValueError, "no fully_shard", lambda: defer_fsdp_reduction(build(True)))
     twice = shard_model(build(True))
     defer_fsdp_reduction(twice)
-    _expect(ValueError, "already set up", lambda: defer_fsdp_reduction(twice))
-    _expect(ValueError, "mode=", lambda: defer_fsdp_reduction(shard_model(build(True)), mode="later"))
-    _expect(ValueError, "reduction=", lambda: FSDPStage(shard_model(build(True)), reduction="later"))
+    expect_error(ValueError, "already set up", lambda: defer_fsdp_reduction(twice))
+    expect_error(ValueError, "mode=", lambda: defer_fsdp_reduction(shard_model(build(True)), mode="later"))
+    expect_error(ValueError, "reduction=", lambda: FSDPStage(shard_model(build(True)), reduction="later"))
 
 
 def check_finish_and_async_modes(rank: int, world: int) -> None:
@@ -241,16 +256,6 @@ def check_finish_and_async_modes(rank: int, world: int) -> None:
             ):
                 raise AssertionError(f"{what}: reduce-scatter events {events}")
             handle.remove()
-
-
-def _expect(exc_type: type, text: str, fn: Callable[[], object]) -> None:
-    try:
-        fn()
-    except exc_type as exc:
-        if text not in str(exc):
-            raise AssertionError(f"expected {text!r} in {exc!r}") from exc
-    else:
-        raise AssertionError(f"expected {exc_type.__name__} with {text!r}")
 
 
 def meta_model(delay: bool) -> nn.Sequential:

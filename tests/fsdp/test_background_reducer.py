@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from splitgrad.parallel._fsdp_async import BackgroundReducer
+from splitgrad.parallel.fsdp.background import BackgroundReducer
 
 
 def test_runs_in_submission_order_and_records_each():

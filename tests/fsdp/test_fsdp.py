@@ -6,7 +6,8 @@ Why: without it a delayed layer under FSDP2 writes a full, unreduced gradient on
 FSDP2's own reduction, so the sharded ``.grad`` must equal immediate mode bitwise and the float64
 single-process reference after ``full_tensor()``: one microbatch, accumulation with sync only on the last,
 W after each B or all at the end, ``reshard_after_forward`` both ways, a mixed-precision reduce dtype; and
-misuse is a clear error. Runs in the package's one spawn (conftest.py); each check is its own test.
+misuse is a clear error; ``fsdp_reduction_handle`` finds the handle of every layer set up, and none elsewhere.
+Runs in the package's one spawn (conftest.py); each check is its own test.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_single_graph_per_stage_cannot_hold_two_microbatches() -> None:
 
 def test_pipeline_actions_and_stage_ids() -> None:
     """Orders may be pipeline ``Action`` objects (or strings with ``BW``) naming arbitrary stage ids."""
-    actions = pytest.importorskip("splitgrad.pipeline.actions")
+    actions = pytest.importorskip("splitgrad.pipeline.ir.actions")
     model = seeded(mlp)
     order = [actions.parse_action(t) for t in ("2F0", "2F1", "2BW0", "2B1", "2W1")]
     (row,) = make_graphed((model,), ((torch.randn(3, 6),),), order=order, stages=(2,))

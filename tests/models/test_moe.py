@@ -72,8 +72,8 @@ def test_aux_loss_of_balanced_routing_is_the_coefficient():
     layer = moe_layers(build(MoEGPT, moe_config(num_experts=4, top_k=2, aux_loss_coef=0.3)))[0]
     probs = torch.full((8, 4), 0.25, dtype=torch.float64)
     counts = torch.tensor([4, 4, 4, 4])
-    torch.testing.assert_close(layer.aux_loss(probs, counts), torch.tensor(0.3, dtype=torch.float64))
-    skewed = layer.aux_loss(
+    torch.testing.assert_close(layer.router.aux_loss(probs, counts), torch.tensor(0.3, dtype=torch.float64))
+    skewed = layer.router.aux_loss(
         torch.tensor([[1.0, 0, 0, 0]] * 8, dtype=torch.float64), torch.tensor([8, 8, 0, 0])
     )
     assert skewed > 0.3, "a collapsed router must cost more than a balanced one"

@@ -6,7 +6,7 @@ runtime, a ``PipelineGroups``, an expert-parallel layer or an all-to-all autogra
 globals kept its workers running into interpreter shutdown, where gloo can abort a finished rank
 (docs/parallel.md, "A crash at exit"; the torchrun doc blocks left 2-6 such threads per rank). Each holder
 now looks the default group up at use and holds other registered groups weakly
-(``splitgrad.parallel.group_ref``). Checked deterministically: after ``destroy_process_group(group)`` the
+(``splitgrad.distributed.group_ref``). Checked deterministically: after ``destroy_process_group(group)`` the
 group object must be freed (a weak reference to it dies), and using it through its holder raises a clear
 error. One-rank gloo groups in this process.
 """
@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import splitgrad
+from splitgrad.distributed.group_ref import GroupRef
 from splitgrad.models import MoEConfig, lm_loss
 from splitgrad.parallel import DistributedDataParallel
 from splitgrad.parallel.expert import ExpertParallelMoEGPT
-from splitgrad.parallel.group_ref import GroupRef
 from splitgrad.pipeline import build_runtime, pipeline_groups
 from tests.helpers import destroyed_group, one_rank_group
 
@@ -83,7 +83,7 @@ def test_expert_layers_and_all_to_all_nodes_do_not_hold_a_destroyed_group(group)
     assert logits.grad_fn is not None
     assert ref() is None, "the expert model or its autograd graph kept the destroyed group alive"
     layer = model.blocks[0].mlp
-    for name in ("ep_group", "backward_group", "dp_group"):
+    for name in ("ep_group", "dp_group"):
         with pytest.raises(RuntimeError, match=rf"ExpertParallelMoEMLP\.{name}: its process group was"):
             getattr(layer, name)
 

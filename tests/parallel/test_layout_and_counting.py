@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import splitgrad
-from splitgrad.parallel.buckets import ALIGN, build_buffers
-from splitgrad.parallel.readiness import StepCounts, count_contributions
+from splitgrad.parallel.data.buckets import ALIGN, build_buffers
+from splitgrad.parallel.data.readiness import StepCounts, count_contributions
 
 
 def _layout(model: nn.Module, bucket_size: int, world: int = 3):

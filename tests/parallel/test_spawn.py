@@ -1,4 +1,4 @@
-"""The spawn harness (splitgrad.parallel.launch.spawn, re-exported as splitgrad.testing.spawn) reports results, failures and hangs faithfully.
+"""The spawn harness (splitgrad.distributed.launch.spawn, re-exported as splitgrad.testing.spawn) reports results, failures and hangs faithfully.
 
 Why: every distributed test (DDP now, the pipeline runtime later) trusts it; a harness that swallowed a
 rank's exception or hung on a stuck rank would turn real failures into green or into a frozen CI.

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitgrad.pipeline import Action, ActionKind, Schedule, build_schedule
-from splitgrad.pipeline.actions import Transfer, parse_action
+from splitgrad.pipeline.ir.actions import Transfer, parse_action
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 

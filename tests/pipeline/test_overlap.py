@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.pipeline import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.actions import OverlapAction, parse_action
+from splitgrad.pipeline.ir.actions import OverlapAction, parse_action
 from splitgrad.pipeline.passes import add_grad_sync
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW

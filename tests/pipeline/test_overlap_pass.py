@@ -13,9 +13,8 @@ import os
 import pytest
 
 from splitgrad.pipeline import ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.actions import OverlapAction
-from splitgrad.pipeline.overlap_pass import default_lookahead
-from splitgrad.pipeline.passes import add_grad_sync, fuse_overlap_pairs
+from splitgrad.pipeline.ir.actions import OverlapAction
+from splitgrad.pipeline.passes import add_grad_sync, default_lookahead, fuse_overlap_pairs
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from splitgrad.pipeline import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.actions import parse_action
+from splitgrad.pipeline.ir.actions import parse_action
 from splitgrad.pipeline.passes import add_grad_sync, has_grad_sync, strip_grad_sync
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 

@@ -12,8 +12,7 @@ import pytest
 
 from splitgrad.pipeline import build_schedule, simulate
 from splitgrad.pipeline.passes import add_grad_sync
-from splitgrad.pipeline.replay import overhead_split, replay_measured
-from splitgrad.pipeline.timeline import TimelineEvent
+from splitgrad.pipeline.timeline import TimelineEvent, overhead_split, replay_measured
 
 
 def _ev(rank: int, name: str, start: float, end: float) -> TimelineEvent:

@@ -13,8 +13,8 @@ from fractions import Fraction
 import pytest
 
 from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate
+from splitgrad.pipeline.ir.validate import channel_order_problems
 from splitgrad.pipeline.schedules import schedule_names, schedule_options
-from splitgrad.pipeline.validate import channel_order_problems
 from tests.pipeline.helpers import GOLDEN_DIR, golden_text
 
 # (p ranks, m microbatches): small, m < p, m not a multiple of p, m = 2p - 1, large m.

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from splitgrad.pipeline import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.actions import parse_action
-from splitgrad.pipeline.validate import find_problems, render_listing
+from splitgrad.pipeline.ir.actions import parse_action
+from splitgrad.pipeline.ir.validate import find_problems, render_listing
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
 

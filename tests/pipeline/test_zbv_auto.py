@@ -13,9 +13,8 @@ import os
 import pytest
 
 from splitgrad.pipeline import Action, ActionKind, Schedule, ScheduleError, build_schedule, simulate, validate
-from splitgrad.pipeline.passes import add_grad_sync
+from splitgrad.pipeline.passes import add_grad_sync, refill_w
 from splitgrad.pipeline.schedules import zbv_auto_candidates
-from splitgrad.pipeline.schedules.w_refill import refill_w
 from splitgrad.pipeline.schedules.zbv_auto import zbv_greedy
 
 from .helpers import GOLDEN_DIR, golden_text

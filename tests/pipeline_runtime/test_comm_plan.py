@@ -1,7 +1,7 @@
 """The message plan ``PipelineComm`` derives from a schedule: both ends of every message must agree on it.
 
 Why: ranks never negotiate; each derives from the schedule alone who sends it what, in which order, at which
-action, under which tag (``splitgrad.pipeline._comm_plan``). Two messages of a step with the same tag, or a
+action, under which tag (``splitgrad.pipeline.runtime.comm._plan``). Two messages of a step with the same tag, or a
 sender and a receiver disagreeing about where a message is produced or consumed, would pair a payload with the
 wrong buffer or release a send before it was received. Process-free: the plan reads only the schedule.
 """
@@ -13,9 +13,9 @@ import dataclasses
 import pytest
 
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline._comm_plan import MessagePlan, plan_messages
-from splitgrad.pipeline._comm_state import message_key
-from splitgrad.pipeline.actions import Schedule
+from splitgrad.pipeline.ir.actions import Schedule
+from splitgrad.pipeline.runtime.comm._plan import MessagePlan, plan_messages
+from splitgrad.pipeline.runtime.comm._state import message_key
 
 #: (name, n_stages, n_microbatches): one and two stages per rank, overlapped F+B actions (dualpipev).
 SCHEDULES = [("1f1b", 2, 4), ("zb-h1", 3, 6), ("zbv", 4, 4), ("interleaved-1f1b", 4, 4), ("dualpipev", 4, 6)]

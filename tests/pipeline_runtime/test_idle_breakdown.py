@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitgrad.pipeline.measure import idle_breakdown
-from splitgrad.pipeline.timeline import TimelineEvent
+from splitgrad.pipeline.timeline import TimelineEvent, idle_breakdown
 
 
 def test_span_splits_into_compute_waits_and_the_rest():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline.validate import channel_order_problems
+from splitgrad.pipeline.ir.validate import channel_order_problems
 from splitgrad.testing import spawn
 
 from . import workers

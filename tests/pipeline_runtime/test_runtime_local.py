@@ -16,17 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import splitgrad
+from splitgrad.core.profiling import profiler_active
 from splitgrad.pipeline import Action, ActionKind, Schedule, build_schedule, simulate
-from splitgrad.pipeline.build import build_runtime, sequential_stages
-from splitgrad.pipeline.comm import decode_header, encode_header
-from splitgrad.pipeline.executor import split_microbatches
-from splitgrad.pipeline.measure import (
-    measured_bubble_ratio,
-    measured_costs,
-    profiler_active,
-    simulate_measured,
-)
-from splitgrad.pipeline.runtime import PipelineRuntime
+from splitgrad.pipeline.runtime import PipelineRuntime, build_runtime, sequential_stages
+from splitgrad.pipeline.runtime.comm._header import decode_header, encode_header
+from splitgrad.pipeline.runtime.executor import split_microbatches
+from splitgrad.pipeline.timeline import measured_bubble_ratio, measured_costs, simulate_measured
 
 from .workers import ATOL, RTOL, SPLIT, mlp_blocks
 
@@ -305,7 +300,7 @@ def test_runtime_names_are_exported_lazily():
 def test_activation_meter_keeps_only_the_wgrad_operands_between_b_and_w():
     """After B only the bundle's operands stay alive (the GELU's saved input is freed with the graph)."""
     import splitgrad
-    from splitgrad.pipeline.measure import ActivationMeter
+    from splitgrad.pipeline.runtime.recording import ActivationMeter
 
     block = torch.nn.Sequential(
         splitgrad.Linear(16, 32, delay_wgrad_compute=True), torch.nn.GELU(), torch.nn.Linear(32, 16)

@@ -29,11 +29,14 @@ from splitgrad.models import (
 )
 from splitgrad.parallel import DDPConfig
 from splitgrad.pipeline import build_schedule
-from splitgrad.pipeline.build import build_runtime, pipeline_groups, sequential_stages
-from splitgrad.pipeline.comm import PipelineComm
-from splitgrad.pipeline.measure import measured_bubble_ratio, simulate_measured
-from splitgrad.pipeline.replay import overhead_split, replay_measured
-from splitgrad.pipeline.runtime import PipelineRuntime
+from splitgrad.pipeline.runtime import PipelineRuntime, build_runtime, pipeline_groups, sequential_stages
+from splitgrad.pipeline.runtime.comm import PipelineComm
+from splitgrad.pipeline.timeline import (
+    measured_bubble_ratio,
+    overhead_split,
+    replay_measured,
+    simulate_measured,
+)
 
 RTOL, ATOL = 1e-10, 1e-12
 VOCAB, SEQ, MB = 37, 8, 2
@@ -527,14 +530,15 @@ class _Stall(_Explode):
         return x
 
 
-def failure_worker(rank: int, world: int, mode: str, failing_rank: int) -> str:
-    """1F1B on an MLP; ``failing_rank`` raises (``mode="raise"``) or stalls (``"stall"``) in its 2nd forward."""
+def failure_worker(rank: int, world: int, mode: str, failing_rank: int, timeout: float = 2.0) -> str:
+    """1F1B on an MLP; ``failing_rank`` raises (``mode="raise"``) or stalls (``"stall"``) in its 2nd forward;
+    ``timeout``: the runtime's bound on each wait."""
     torch.manual_seed(0)
     blocks = [nn.Linear(4, 4, dtype=torch.float64) for _ in range(world)]
     stages = [nn.Sequential(b) for b in blocks]
     if rank == failing_rank:
         stages[rank].append(_Explode(2) if mode == "raise" else _Stall(2))
-    rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=2.0)
+    rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=timeout)
     x = torch.randn(8, 4, dtype=torch.float64)
     try:
         rt.step(x, x)

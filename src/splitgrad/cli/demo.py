@@ -91,14 +91,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--moe", action="store_true", help="train an MoE GPT with expert parallelism instead (see --ep)"
     )
     parser.add_argument("--ep", type=positive_int, default=2, help="expert-parallel ranks (with --moe)")
-    parser.add_argument(
-        "--driver",
-        choices=("threads", "steps"),
-        default=None,
-        help="with --moe: how the overlapped pair interleaves, overlapped_forward_backward(driver=...): threads "
-        "(the backward on a second thread) or steps (one thread stepping the forward at each backward "
-        "exchange) (default: steps)",
-    )
     parser.set_defaults(func=run, usage_error=parser.error)
 
 
@@ -119,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
         from .moe_demo import run_moe  # expert-parallel variant: its own module
 
         return run_moe(args)
-    if getattr(args, "driver", None) is not None:
-        args.usage_error(f"--driver {args.driver} applies to the MoE demo only: add --moe")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         cfg = config_from_args(args)
@@ -149,7 +139,7 @@ def _usage_error(args: argparse.Namespace, message: str) -> int:
 def _spawn_local(cfg: DemoConfig) -> int:
     import torch
 
-    from ..parallel.launch import spawn
+    from ..distributed.launch import spawn
 
     print(
         f"splitgrad demo: GPT {cfg.num_layers} layers x {cfg.hidden_size}, {cfg.ranks} pipeline ranks "

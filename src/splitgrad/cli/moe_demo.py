@@ -5,7 +5,7 @@ microbatches of the stdlib character corpus (dense gradients averaged over the r
 summed over them by the all-to-all backward). Each step runs two microbatches; steps alternate between
 running "backward of microbatch 0, forward of microbatch 1" in order and overlapped
 (:func:`splitgrad.parallel.expert.overlapped_forward_backward`), so the two orders are timed under the same
-conditions (``--driver`` picks how the overlapped pair interleaves: ``threads`` or ``steps``). Printed: losses,
+conditions. Printed: losses,
 the pair's median time in each order, the all-to-all time of the pair, and the fraction of it hidden (the
 median over pairs of a sequential step and the overlapped step after it). Written: a Perfetto/Chrome timeline
 of the last overlapped step, with compute and communication in separate lanes per rank. For meaningful overlap
@@ -43,9 +43,8 @@ def _pair(
     mb: int,
     overlapped: bool,
     group: dist.ProcessGroup,
-    driver: str,
 ) -> tuple[torch.Tensor, tuple[float, float, float, float]]:
-    """One step of two microbatches ``ids: (2 * mb, seq)``: ``F0``, then ``B0 ‖ F1`` (interleaved by ``driver``)
+    """One step of two microbatches ``ids: (2 * mb, seq)``: ``F0``, then ``B0 ‖ F1`` (interleaved on one thread)
     or ``B0; F1``, ``B1``, ``backward_dw``. Returns the summed loss (detached) and the times before ``F0``,
     after ``F0``, after the pair and at the end (``time.perf_counter()``)."""
     dist.barrier(group)
@@ -53,7 +52,7 @@ def _pair(
     loss0 = lm_loss(model(ids[:mb]), targets[:mb]) / 2
     t1 = time.perf_counter()
     if overlapped:
-        logits1 = overlapped_forward_backward(model, ids[mb:], loss0, driver=driver)
+        logits1 = overlapped_forward_backward(model, ids[mb:], loss0)
     else:
         loss0.backward()
         logits1 = model(ids[mb:])
@@ -65,7 +64,7 @@ def _pair(
 
 
 def _rank(rank: int, world: int, opts: dict) -> dict:
-    fwd, bwd = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    group = dist.new_group(list(range(world)))
     corpus = load_char_corpus(opts["seq_len"], max_chars=opts["max_chars"])
     config = MoEConfig(
         vocab_size=corpus.tokenizer.vocab_size, seq_len=opts["seq_len"], hidden_size=opts["hidden_size"],
@@ -73,7 +72,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
         delay_wgrad_compute=True,
     )  # fmt: skip
     torch.manual_seed(opts["seed"])  # the same dense weights on every rank
-    model = ExpertParallelMoEGPT(config, ep_group=fwd, ep_backward_group=bwd)
+    model = ExpertParallelMoEGPT(config, ep_group=group)
     for i, layer in enumerate(moe_layers(model)):
         torch.manual_seed(opts["seed"] + 1 + 1000 * rank + i)  # different experts on different ranks
         layer.fc1.reset_parameters()
@@ -93,26 +92,26 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
         variant = "overlapped" if step % 2 else "sequential"
         if step == 0:
             # The two orders on the same weights and batch: losses and gradients must be bit-for-bit equal.
-            seq_loss, _ = _pair(model, ids, targets, mb, False, fwd, opts["driver"])
+            seq_loss, _ = _pair(model, ids, targets, mb, False, group)
             seq_grads = [p.grad.clone() for p in model.parameters()]
             model.zero_grad(set_to_none=True)
             check = {"sequential": seq_loss}
         log.clear()
         wlog.clear()
         overlapped = variant == "overlapped" or step == 0
-        loss, (t0, t1, t2, t3) = _pair(model, ids, targets, mb, overlapped, fwd, opts["driver"])
+        loss, (t0, t1, t2, t3) = _pair(model, ids, targets, mb, overlapped, group)
         if step == 0:
             check["overlapped"] = loss
             check["grads_equal"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), seq_grads))
         pair_comm = sum(end - start for name, start, end in log if start >= t1 and end <= t2)
         for p in model.parameters():
             if not getattr(p, "expert_parallel", False):
-                dist.all_reduce(p.grad, group=fwd)
+                dist.all_reduce(p.grad, group=group)
                 p.grad /= world
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = loss.reshape(1).clone()
-        dist.all_reduce(total, group=fwd)
+        dist.all_reduce(total, group=group)
         losses.append(float(total) / world)
         if step >= 2:  # the first steps set up connections
             times[variant].append(t2 - t1)
@@ -139,11 +138,9 @@ def run_moe(args: argparse.Namespace) -> int:
         "seq_len": min(args.seq_len, 128), "hidden_size": args.hidden_size, "num_layers": args.num_layers,
         "num_heads": args.num_heads, "max_chars": args.max_chars, "seed": args.seed, "lr": args.lr,
         "steps": max(args.steps, 6), "batch_size": max(2, args.batch_size - args.batch_size % 2),
-        "driver": getattr(args, "driver", None) or "steps",
     }  # fmt: skip
     print(
-        f"splitgrad demo --moe: {args.ep} expert-parallel ranks, {4 * args.ep} experts, {opts['steps']} steps, "
-        f"overlapped pair driver {opts['driver']!r}"
+        f"splitgrad demo --moe: {args.ep} expert-parallel ranks, {4 * args.ep} experts, {opts['steps']} steps"
     )
     results = spawn(
         _rank, args.ep, opts, timeout=args.timeout * 10, pg_timeout=args.timeout, threads=args.threads

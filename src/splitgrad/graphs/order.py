@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from ..pipeline.actions import AnyAction
+    from ..pipeline.ir.actions import AnyAction
 
 __all__ = ["GraphAction", "default_order", "normalize_order"]
 
@@ -34,7 +34,7 @@ def _as_action(item: object) -> AnyAction:
     as they are, any other object with ``stage``/``kind``/``microbatch`` attributes converted."""
     # One torch-free grammar, shared with the pipeline; imported when an order is given, so that
     # ``make_graphed_callables`` alone does not load ``splitgrad.pipeline``.
-    from ..pipeline.actions import Action, OverlapAction, parse_action
+    from ..pipeline.ir.actions import Action, OverlapAction, parse_action
 
     if isinstance(item, (Action, OverlapAction)):
         return item
@@ -67,7 +67,7 @@ def _parse(item: object) -> list[GraphAction]:
     ``BW`` captures ``B`` then ``W``; an overlapped pair (``"0F3+3BW1"``) captures both parts, forward first;
     gradient-sync points (``"0R"``, ``"0RF"``) capture nothing.
     """
-    from ..pipeline.actions import SYNC_KINDS, ActionKind
+    from ..pipeline.ir.actions import SYNC_KINDS, ActionKind
 
     steps: list[GraphAction] = []
     for part in _as_action(item).parts:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from .config import GPTConfig, MoEConfig
 from .data import CharCorpus, CharTokenizer, TokenDataset, load_char_corpus, stdlib_text
 from .gpt import GPT, lm_loss
-from .moe import AuxLossInjector, MoEGPT, MoEMLP, moe_aux_loss, moe_layers, set_aux_loss_scale
+from .moe import AuxLossInjector, MoEGPT, MoEMLP, is_moe_layer, moe_aux_loss, moe_layers, set_aux_loss_scale
 from .reference import ReferenceModel, reference_twin
+from .router import TopKRouter
 from .stages import StageModule, split_into_stages, stage_layer_counts
 from .tp import shard_gpt_state_dict
 
@@ -23,6 +24,8 @@ __all__ = [
     "ReferenceModel",
     "StageModule",
     "TokenDataset",
+    "TopKRouter",
+    "is_moe_layer",
     "lm_loss",
     "load_char_corpus",
     "moe_aux_loss",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.steps import Steps, child_steps
-from ..functional.group_ref import GroupRef
-from ..functional.tp_config import TensorParallelConfig, tensor_parallel_config
-from ..functional.tp_sequence import gather_sequence, split_sequence
+from ..distributed.group_ref import GroupRef
+from ..distributed.tp_config import TensorParallelConfig, tensor_parallel_config
+from ..distributed.tp_sequence import gather_sequence, split_sequence
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
@@ -265,6 +266,9 @@ class GPT(nn.Module):
             the block norms and row biases are then partial (``param.sequence_parallel``): call
             :func:`splitgrad.parallel.tensor.allreduce_sequence_parallel_grads` once per step, after
             ``backward_dw``.
+        make_mlp: ``make_mlp(config, layer)`` builds block ``layer``'s MLP branch ``(batch, seq, hidden) ->
+            (batch, seq, hidden)`` (the MoE models pass theirs); None: the dense ``LayerNormMLP``. Called during
+            construction only, in block order.
     """
 
     def __init__(
@@ -273,19 +277,21 @@ class GPT(nn.Module):
         *,
         device: torch.device | str | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        make_mlp: Callable[[GPTConfig, int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if config.tp_size > 1 and (tp_group is None or dist.get_world_size(tp_group) != config.tp_size):
             got = None if tp_group is None else dist.get_world_size(tp_group)
             raise ValueError(f"GPT: tp_size={config.tp_size} needs a tp_group of that size, got {got}")
         self.config = config
-        # The default group is looked up at use, another held weakly (functional/group_ref.py): a model left
+        # The default group is looked up at use, another held weakly (distributed/group_ref.py): a model left
         # in a script's globals must not keep the group's gloo workers alive past destroy_process_group().
         self._tp_group = None if tp_group is None else GroupRef(tp_group, owner="GPT.tp_group")
         sp = sequence_parallel_config(tp_group, config)
         self.embed = Embedding(config, sp)
+        make_mlp = self._dense_mlp if make_mlp is None else make_mlp
         self.blocks = nn.ModuleList(
-            Block(config, self._make_mlp(config, i), tp_group) for i in range(config.num_layers)
+            Block(config, make_mlp(config, i), tp_group) for i in range(config.num_layers)
         )
         self.head = Head(config, sp)
         self.reset_parameters()
@@ -297,8 +303,8 @@ class GPT(nn.Module):
         """The tensor-parallel group the model was built with (None: unsplit)."""
         return None if self._tp_group is None else self._tp_group.get()
 
-    def _make_mlp(self, config: GPTConfig, layer: int) -> nn.Module:
-        """The MLP branch of block ``layer`` (overridden by the MoE model)."""
+    def _dense_mlp(self, config: GPTConfig, layer: int) -> nn.Module:
+        """The dense MLP branch of block ``layer`` (a ``LayerNormMLP``, split over the TP group)."""
         del layer
         return LayerNormMLP(
             config.hidden_size,

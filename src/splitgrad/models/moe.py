@@ -3,33 +3,44 @@
 One MoE layer, on the flattened tokens ``x: (T, hidden)``::
 
     h = norm(x)
-    probs = softmax(router(h))                        # (T, E); router is a bias-free splitgrad Linear
-    w, e = topk(probs, k)                             # (T, k) weights and expert ids
-    order = argsort(e.flatten(), stable)              # token copies grouped by expert: no per-token Python
-    y = fc2(act(fc1(h[order // k], m_splits)), m_splits)   # m_splits = tokens per expert (one host sync)
-    out = sum_k w * y[inverse(order)].view(T, k, hidden)
+    probs, w, e = router.route(h)                     # (T, E) softmax; (T, k) weights and expert ids
+    rows, order = permute_tokens(h, e)                # token copies grouped by expert: no per-token Python
+    y = fc2(act(fc1(rows, m_splits)), m_splits)       # m_splits = tokens per expert (one host sync)
+    out = unpermute_tokens(y, order, w)               # back in token order, the k copies weighted and summed
 
 It is dropless (every token reaches its k experts; no capacity factor). The load-balancing loss of each layer,
 ``aux_loss_coef * E * sum_i f_i * P_i`` (Switch/GShard: ``f_i`` the fraction of routed copies sent to expert
 ``i``, ``P_i`` its mean router probability), is never returned: :class:`AuxLossInjector` attaches it to the
 layer's output so that its gradient is added when backward reaches the layer. A pipeline stage therefore sends
 only its activation; the last stage's loss is plain :func:`~splitgrad.models.lm_loss`.
+
+The pieces (:class:`~splitgrad.models.router.TopKRouter`, :mod:`~splitgrad.models.experts`) are shared with the
+expert-parallel layer, which puts an all-to-all dispatcher between the permutation and the experts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..module.grouped_linear import GroupedLinear
-from ..module.linear import Linear
 from .config import MoEConfig
-from .gpt import GPT, Norm, split_kwargs
+from .experts import make_experts, permute_tokens, run_experts, unpermute_tokens
+from .gpt import GPT, Norm
+from .router import TopKRouter
 
-__all__ = ["AuxLossInjector", "MoEGPT", "MoEMLP", "moe_aux_loss", "moe_layers", "set_aux_loss_scale"]
+__all__ = [
+    "AuxLossInjector",
+    "MoEGPT",
+    "MoEMLP",
+    "attach_aux_loss",
+    "is_moe_layer",
+    "moe_aux_loss",
+    "moe_layers",
+    "set_aux_loss_scale",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,31 +68,20 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale), None
 
 
-def moe_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``h: (T, ffn)`` or, gated, ``(T, 2 * ffn)`` -> ``(T, ffn)`` (same rules as LayerNormMLP)."""
-    if activation == "gelu":
-        return F.gelu(h, approximate="tanh")
-    if activation == "relu":
-        return F.relu(h)
-    a, b = h.chunk(2, dim=-1)
-    return (F.silu(a) if activation == "swiglu" else F.gelu(a, approximate="tanh")) * b
-
-
-def _balanced_experts(
-    tokens: int, top_k: int, num_experts: int, device: torch.device | None = None
-) -> torch.Tensor:
-    """The forced-balance routing (``MoEConfig.router_force_load_balancing``): ``(tokens, top_k)`` int64, copy
-    ``j`` of token ``t`` to expert ``(t * top_k + j) % num_experts`` (distinct per token since ``top_k <=
-    num_experts``)."""
-    slots = torch.arange(tokens * top_k, device=device).view(tokens, top_k)
-    return slots % num_experts
+def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, *, scale: float, coef: float) -> torch.Tensor:
+    """``out`` carrying the aux loss ``aux`` (a scalar) into backward with weight ``scale``
+    (:class:`AuxLossInjector`); ``out`` itself when no gradient is wanted (no grad mode, ``coef == 0``)."""
+    if torch.is_grad_enabled() and aux.requires_grad and coef > 0:
+        return AuxLossInjector.apply(out, aux, scale)
+    return out
 
 
 class MoEMLP(nn.Module):
     """The MoE branch of a block: ``(batch, seq, hidden)`` -> ``(batch, seq, hidden)`` (residual not added).
 
-    Submodules: ``norm`` (plain :class:`~splitgrad.models.gpt.Norm`), ``router`` (splitgrad ``Linear``,
-    ``hidden -> num_experts``, no bias), ``fc1`` / ``fc2`` (``GroupedLinear`` with one GEMM per expert).
+    Submodules: ``norm`` (plain :class:`~splitgrad.models.gpt.Norm`), ``router``
+    (:class:`~splitgrad.models.router.TopKRouter`, a splitgrad ``Linear`` ``hidden -> num_experts``, no bias),
+    ``fc1`` / ``fc2`` (``GroupedLinear`` with one GEMM per expert, :func:`~splitgrad.models.experts.make_experts`).
 
     After each forward, ``last_aux_loss`` (detached, coefficient applied) and ``last_tokens_per_expert``
     hold that forward's statistics for logging. ``aux_loss_scale`` is the gradient weight of the aux loss
@@ -90,83 +90,34 @@ class MoEMLP(nn.Module):
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
-        self._init_routing(config)
-        h, f, e = config.hidden_size, config.moe_ffn_hidden_size, config.num_experts
-        gated = config.activation in ("swiglu", "geglu")
-        self.norm = Norm(config)
-        self.router = Linear(h, e, False, **split_kwargs(config))
-        self.fc1 = GroupedLinear(e, h, 2 * f if gated else f, config.bias, **split_kwargs(config))
-        self.fc2 = GroupedLinear(e, f, h, config.bias, **split_kwargs(config))
-
-    def _init_routing(self, config: MoEConfig) -> None:
-        """The routing and aux-loss settings and statistics (shared with the expert-parallel layer)."""
         self.num_experts = config.num_experts
-        self.top_k = config.top_k
         self.activation = config.activation
-        self.norm_topk_prob = config.norm_topk_prob
-        self.force_load_balancing = config.router_force_load_balancing
-        self.aux_loss_coef = config.aux_loss_coef
         self.aux_loss_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: list[int] | None = None
+        self.norm = Norm(config)
+        self.router = TopKRouter(config)
+        self.fc1, self.fc2 = make_experts(config, config.num_experts)
 
     def residual_output_weights(self) -> list[nn.Parameter]:
         """fc2's per-expert matrices (they write into the residual stream)."""
         return [getattr(self.fc2, f"weight{i}") for i in range(self.num_experts)]
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router probabilities and the top-k choice of ``h: (T, hidden)``.
-
-        Returns:
-            ``(probs, weights, experts)``: ``probs: (T, E)`` softmax in at least fp32, ``weights: (T, k)`` in
-            ``h``'s dtype, ``experts: (T, k)`` int64 (the round-robin choice of
-            ``MoEConfig.router_force_load_balancing`` when it is set, the top-k of ``probs`` otherwise).
-        """
-        logits = self.router(h)
-        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        if self.force_load_balancing:
-            experts = _balanced_experts(h.shape[0], self.top_k, self.num_experts, h.device)
-            weights = probs.gather(1, experts)
-        else:
-            weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return probs, weights.to(h.dtype), experts
-
-    def aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``coef * E * sum_i f_i * P_i`` for ``probs: (T, E)`` and ``counts: (E,)`` routed copies per expert."""
-        tokens = probs.shape[0]
-        f = counts.to(probs.dtype) / (tokens * self.top_k)
-        return self.aux_loss_coef * self.num_experts * (f * probs.mean(0)).sum()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = self.norm(x.reshape(-1, shape[-1]))
-        tokens = h.shape[0]
-        probs, weights, experts = self.route(h)
-
-        # Permute: the T*k token copies sorted by expert (stable, so each expert sees tokens in order).
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        probs, weights, experts = self.router.route(h)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         # GroupedLinear needs the split sizes on the host: the one device sync of the layer.
         m_splits = counts.tolist()
-        # Gather from k expanded copies rather than h[order // k]: every index is then unique, so the backward
-        # scatter is deterministic on GPUs too (the sum over the k copies is the expand's own reduction).
-        copies = h.unsqueeze(1).expand(tokens, self.top_k, h.shape[-1]).reshape(-1, h.shape[-1])
-        y = self.fc1(copies.index_select(0, order), m_splits)
-        y = self.fc2(moe_activation(y, self.activation), m_splits)
+        rows, order = permute_tokens(h, experts)
+        y = run_experts(self.fc1, self.fc2, rows, m_splits, self.activation)
+        out = unpermute_tokens(y, order, weights)
 
-        # Unpermute: copy j of token t sits at position inverse[t * k + j] of the sorted order.
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = (y.index_select(0, inverse).view(tokens, self.top_k, -1) * weights.unsqueeze(-1)).sum(1)
-
-        aux = self.aux_loss(probs, counts)
+        aux = self.router.aux_loss(probs, counts)
         self.last_aux_loss = aux.detach()
         self.last_tokens_per_expert = m_splits
-        if torch.is_grad_enabled() and aux.requires_grad and self.aux_loss_coef > 0:
-            out = AuxLossInjector.apply(out, aux, self.aux_loss_scale)
+        out = attach_aux_loss(out, aux, scale=self.aux_loss_scale, coef=self.router.aux_loss_coef)
         return out.view(shape)
 
 
@@ -178,24 +129,46 @@ class MoEGPT(GPT):
     of the total objective, add :func:`moe_aux_loss` to the cross-entropy.
 
     This is the single-process model (the reference); its expert-parallel twin, with the experts sharded over a
-    process group, is :class:`splitgrad.parallel.expert.ExpertParallelMoEGPT` (it overrides :meth:`_make_mlp`).
+    process group, is :class:`splitgrad.parallel.expert.ExpertParallelMoEGPT` (it passes its own ``make_mlp``).
+
+    Args:
+        config: the MoE model configuration.
+        device: where to create the parameters.
+        make_mlp: ``make_mlp(config, layer)`` builds block ``layer``'s MoE branch; None: :class:`MoEMLP`.
+
+    Raises:
+        TypeError: ``config`` is not an :class:`MoEConfig`.
     """
 
     config: MoEConfig
 
-    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        device: torch.device | str | None = None,
+        make_mlp: Callable[[MoEConfig, int], nn.Module] | None = None,
+    ) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"MoEGPT needs an MoEConfig, got {type(config).__name__}")
-        super().__init__(config, device=device)
-
-    def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
-        del layer
-        return MoEMLP(config)
+        super().__init__(config, device=device, make_mlp=_moe_mlp if make_mlp is None else make_mlp)
 
 
-def moe_layers(model: nn.Module) -> list[MoEMLP]:
-    """Every :class:`MoEMLP` in ``model`` (a model or a pipeline stage), in registration order."""
-    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+def _moe_mlp(config: MoEConfig, layer: int) -> MoEMLP:
+    del layer
+    return MoEMLP(config)
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is an MoE layer of these models: one routing with a
+    :class:`~splitgrad.models.router.TopKRouter` (:class:`MoEMLP`, or its expert-parallel twin
+    :class:`splitgrad.parallel.expert.ExpertParallelMoEMLP`, which composes the same router)."""
+    return isinstance(getattr(module, "router", None), TopKRouter)
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """Every MoE layer (:func:`is_moe_layer`) in ``model`` (a model or a pipeline stage), in registration order."""
+    return [m for m in model.modules() if is_moe_layer(m)]
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core import SplitModule, split_backward
-from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
-from ..functional.tp_config import TensorParallelConfig
+from ..distributed.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
+from ..distributed.tp_config import TensorParallelConfig
 from ..functional.wgrad import accumulate_grad, bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 from ._tp_wgrad_input import WgradInput
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..distributed.tp_config import TensorParallelConfig
 from ..functional.init import linear_init_
-from ..functional.tp_config import TensorParallelConfig
 
 __all__ = ["init_tp_linear_", "mark_sequence_parallel", "mark_tp_params"]
 

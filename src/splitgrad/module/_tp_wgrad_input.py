@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..functional.tp_comm import PendingCollective, all_gather_dim0
+from ..distributed.tp_comm import PendingCollective, all_gather_dim0
 
 __all__ = ["WgradInput"]
 

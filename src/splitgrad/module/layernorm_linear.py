@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import SplitModule, split_backward
+from ..distributed.tp_config import shard_size, tensor_parallel_config
+from ..distributed.tp_sequence import gather_sequence
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, init_norm_
-from ..functional.tp_config import shard_size, tensor_parallel_config
-from ..functional.tp_sequence import gather_sequence
 from ._fused_norm import fused_norm_backward, fused_norm_forward
 from ._layer_setup import (
     check_positive_sizes,

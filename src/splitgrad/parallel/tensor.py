@@ -2,22 +2,21 @@
 
 The layers themselves are ``splitgrad.Linear`` / ``LayerNormLinear`` / ``LayerNormMLP`` with TE's keywords
 (``tp_group``, ``parallel_mode``, ``sequence_parallel``, ...); see ``docs/tensor_parallel.md``. The config and
-collectives live in ``splitgrad.functional`` (the modules need them and sit below ``parallel``) and are
-re-exported here.
+collectives live in ``splitgrad.distributed`` (the modules need them and sit below ``parallel``) and are
+re-exported here: this module is their public home.
 """
 
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..functional.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
-from ..functional.tp_config import DEFAULT_TP_TIMEOUT_S, TensorParallelConfig, tensor_parallel_config
-from ..functional.tp_sequence import gather_sequence, split_sequence
-from .group_ref import GroupRef
+from ..distributed.group_ref import GroupRef
+from ..distributed.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
+from ..distributed.tp_config import DEFAULT_TP_TIMEOUT_S, TensorParallelConfig, tensor_parallel_config
+from ..distributed.tp_sequence import gather_sequence, split_sequence
+from ..distributed.wait import bounded_wait
 
 __all__ = [
     "PendingCollective",
@@ -152,13 +151,12 @@ def allreduce_sequence_parallel_grads(
     for (dtype, device), group in by_kind.items():
         flat = torch.cat([g.reshape(-1) for g in group])
         work = dist.all_reduce(flat, group=tp_group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"allreduce_sequence_parallel_grads: all-reduce of {flat.numel()} {dtype} elements on {device} "
-                f"failed or did not finish within {timeout_s:g} s: {exc}"
-            ) from exc
+        bounded_wait(
+            work,
+            f"allreduce_sequence_parallel_grads: all-reduce of {flat.numel()} {dtype} elements on {device}",
+            timeout=timeout_s,
+            group=tp_group,
+        )
         offset = 0
         for grad in group:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -13,11 +13,14 @@ Typical use::
     print(result.bubble_ratio, result.peak_activations)
     print(result.to_ascii())
 
-The rest lives in its submodule: the action grammar and overlapped pairs in :mod:`~splitgrad.pipeline.actions`
-(``parse_action``, ``OverlapAction``), builders and the name list in :mod:`~splitgrad.pipeline.schedules`
-(``zb_h1``, ``schedule_names()``), passes in :mod:`~splitgrad.pipeline.passes` (``add_grad_sync``), renderers
-in :mod:`~splitgrad.pipeline.timeline`, diagnostics in :mod:`~splitgrad.pipeline.validate`, measurement in
-:mod:`~splitgrad.pipeline.measure`.
+The rest lives in its room: the action grammar, overlapped pairs, diagnostics and the simulator in
+:mod:`~splitgrad.pipeline.ir` (``parse_action``, ``OverlapAction``, ``find_problems``), builders and the name
+list in :mod:`~splitgrad.pipeline.schedules` (``zb_h1``, ``schedule_names()``), passes in
+:mod:`~splitgrad.pipeline.passes` (``add_grad_sync``, ``fuse_overlap_pairs``), renderers and measured-vs-simulated
+analysis in :mod:`~splitgrad.pipeline.timeline`, and the torch.distributed runtime in
+:mod:`~splitgrad.pipeline.runtime`, the only room that imports torch. The module paths
+documented before (``splitgrad.pipeline.actions``, ``.validate``, ``.simulate``, ``.measure``, ``.build``) are
+kept as thin aliases of the new homes.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING
 
-from .actions import Action, ActionKind, Schedule, ScheduleError
+from .ir.actions import Action, ActionKind, Schedule, ScheduleError
 from .schedules import build_schedule
+
+# ``simulate`` and ``validate`` also name modules of this package (the public paths of ir.simulate and
+# ir.validate): importing the functions through them loads those modules now, so that a later ``import
+# splitgrad.pipeline.simulate`` finds them loaded and cannot rebind this package's ``simulate`` to the module.
 from .simulate import SimulationResult, simulate
 from .validate import validate
 
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy runtime names as ordinary imports
-    from .build import build_runtime, pipeline_groups
-    from .runtime import PipelineRuntime, StepResult
+    from .runtime import PipelineRuntime, StepResult, build_runtime, pipeline_groups
 
 __all__ = [
     "Action",
@@ -51,60 +57,37 @@ __all__ = [
 ]
 
 # The runtime (torch.distributed) loads on first use, so the schedule tools above stay light.
-_RUNTIME = {
-    "PipelineRuntime": "runtime",
-    "StepResult": "runtime",
-    "build_runtime": "build",
-    "pipeline_groups": "build",
-}
+_RUNTIME = ("PipelineRuntime", "StepResult", "build_runtime", "pipeline_groups")
 
-# Names this package exported before issue 12 trimmed it, and where they live now. They keep working for a
-# while, with a DeprecationWarning naming the new import.
+# Names this package exported before issue 12 trimmed it, by the module they live in now (issue 24 moved those
+# modules into the ir/, passes/, timeline/ and runtime/ rooms). They keep working for a while, with a
+# DeprecationWarning naming the new import.
 _MOVED = {
-    **dict.fromkeys(
-        ("COMPUTE_KINDS", "SYNC_KINDS", "AnyAction", "OverlapAction", "Transfer", "parse_action"), "actions"
-    ),
-    **dict.fromkeys(("add_grad_sync", "has_grad_sync", "strip_grad_sync"), "passes"),
-    **dict.fromkeys(
+    name: home
+    for home, names in (
+        ("ir.actions", "COMPUTE_KINDS SYNC_KINDS AnyAction OverlapAction Transfer parse_action"),
+        ("ir.validate", "channel_order_problems find_problems render_listing"),
+        ("passes", "add_grad_sync has_grad_sync strip_grad_sync"),
         (
-            "AutoCandidate",
-            "auto_candidates",
-            "dualpipev",
-            "gpipe",
-            "greedy_schedule",
-            "interleaved_1f1b",
-            "one_f_one_b",
-            "schedule_names",
-            "schedule_options",
-            "zb_auto",
-            "zb_h1",
-            "zb_h2",
-            "zbv",
+            "schedules",
+            "AutoCandidate auto_candidates dualpipev gpipe greedy_schedule interleaved_1f1b one_f_one_b "
+            "schedule_names schedule_options zb_auto zb_h1 zb_h2 zbv",
         ),
-        "schedules",
-    ),
-    **dict.fromkeys(
-        ("TimelineEvent", "render_ascii", "save_png", "to_chrome_trace", "write_chrome_trace"), "timeline"
-    ),
-    **dict.fromkeys(("channel_order_problems", "find_problems", "render_listing"), "validate"),
-    "SCHEDULES": "schedules.registry",
-    **dict.fromkeys(("PipelineGroups", "sequential_stages"), "build"),
-    **dict.fromkeys(
+        ("schedules.registry", "SCHEDULES"),
+        ("timeline", "TimelineEvent render_ascii save_png to_chrome_trace write_chrome_trace"),
         (
-            "idle_breakdown",
-            "bubble_report",
-            "measured_bubble_ratio",
-            "save_measured_timeline",
-            "simulate_measured",
+            "timeline",
+            "idle_breakdown bubble_report measured_bubble_ratio save_measured_timeline simulate_measured",
         ),
-        "measure",
-    ),
+        ("runtime", "PipelineGroups sequential_stages"),
+    )
+    for name in names.split()
 }
 
 
 def __getattr__(name: str) -> object:
     if name in _RUNTIME:
-        return getattr(importlib.import_module(f"{__name__}.{_RUNTIME[name]}"), name)
+        return getattr(importlib.import_module(f"{__name__}.runtime"), name)
     if name in _MOVED:
         where = f"{__name__}.{_MOVED[name]}"
         warnings.warn(

@@ -65,6 +65,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from ..core import WgradBundle, capture_wgrad, split_modules
+from ..parallel.fsdp import fsdp_reduction_handle
 
 __all__ = ["SplitgradPipelineStage", "splitgrad_pipeline_stage"]
 
@@ -294,8 +295,8 @@ def splitgrad_pipeline_stage(
 
 def _fsdp_reductions(module: nn.Module) -> list | None:
     """The ``defer_fsdp_reduction`` handles of ``module``'s split layers; None unless every layer has one."""
-    handles = [m.__dict__.get("_splitgrad_fsdp_deferred") for _, m in split_modules(module)]
-    if not handles or any(h is None or h is True for h in handles):
+    handles = [fsdp_reduction_handle(m) for _, m in split_modules(module)]
+    if not handles or any(h is None for h in handles):
         return None
     return list({id(h): h for h in handles}.values())
 

@@ -1,43 +1,30 @@
-"""Expert parallelism: MoE experts sharded over a process group, tokens exchanged with all-to-all."""
+"""Expert parallelism: MoE experts sharded over a process group, tokens exchanged with all-to-all.
+
+* :mod:`.layer` -- :class:`ExpertParallelMoEMLP`: the shared router and experts of ``splitgrad.models`` with an
+  all-to-all dispatcher between them; :mod:`.model` -- :class:`ExpertParallelMoEGPT`;
+* :mod:`.dispatcher`, :mod:`.all_to_all` -- the token exchange (split sizes, dispatch, combine, autograd);
+* :mod:`.dispatch_wgrad` -- the experts' deferred weight gradients inside the dispatch backward;
+* :mod:`.grad_sync` -- :class:`ExpertDataParallel` (expert-DP and DP reductions from the wgrad hooks);
+* :mod:`.state` -- :func:`load_full_state_dict`;
+* :mod:`.overlap` -- batch-level overlap (:func:`overlapped_forward_backward`, :class:`OverlappedMoEStage`).
+"""
 
 from __future__ import annotations
 
-from .all_to_all import (
-    AllToAll,
-    CountExchange,
-    PendingExchange,
-    all_to_all,
-    exchange_counts,
-    finish_all_to_all,
-    start_all_to_all,
-    start_count_exchange,
-)
-from .dispatch_wgrad import run_expert_wgrad
 from .grad_sync import ExpertDataParallel, ParameterGroup, is_expert_parameter
-from .layer import EXPERT_KINDS, ExpertParallelMoEMLP
+from .layer import ExpertParallelMoEMLP
 from .model import ExpertParallelMoEGPT
-from .overlap import DRIVERS, OverlappedMoEStage, overlapped_forward_backward, set_wgrad_in_dispatch
+from .overlap import OverlappedMoEStage, overlapped_forward_backward, set_wgrad_in_dispatch
 from .state import load_full_state_dict
 
 __all__ = [
-    "DRIVERS",
-    "EXPERT_KINDS",
-    "AllToAll",
-    "CountExchange",
     "ExpertDataParallel",
     "ExpertParallelMoEGPT",
     "ExpertParallelMoEMLP",
     "OverlappedMoEStage",
     "ParameterGroup",
-    "PendingExchange",
-    "all_to_all",
-    "exchange_counts",
-    "finish_all_to_all",
     "is_expert_parameter",
     "load_full_state_dict",
     "overlapped_forward_backward",
-    "run_expert_wgrad",
     "set_wgrad_in_dispatch",
-    "start_all_to_all",
-    "start_count_exchange",
 ]

@@ -3,17 +3,16 @@
 Dispatch sends each rank's token copies, sorted by expert (hence by owning rank), to the ranks that own those
 experts; combine sends the expert outputs back. Both are the same collective with the split sizes swapped, and
 the backward of one is the other: :class:`AllToAll` is that autograd Function. The variable split sizes must be
-known to every receiver before the tokens move, so :func:`exchange_counts` all-to-alls the per-expert token
+known to every receiver before the tokens move, so :func:`start_count_exchange` all-to-alls the per-expert token
 counts first (a tiny int64 exchange; the one host sync of a dispatch).
 
-Every collective is issued asynchronously and waited with a timeout (the group's own timeout by default), so a
-rank that never joins raises a ``RuntimeError`` naming the operation instead of hanging silently.
+Every collective is issued asynchronously and waited through :func:`~splitgrad.distributed.wait.bounded_wait`
+(the group's own timeout by default), so a rank that never joins raises a ``RuntimeError`` naming the operation
+instead of hanging silently.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import logging
 import time
 from collections.abc import Callable, Generator
@@ -21,16 +20,14 @@ from collections.abc import Callable, Generator
 import torch
 import torch.distributed as dist
 
-from ..group_ref import GroupRef
-from .baton import ComputeBaton
+from ...distributed.group_ref import GroupRef
+from ...distributed.wait import bounded_wait
 
 __all__ = [
     "AllToAll",
     "CountExchange",
     "PendingExchange",
-    "all_to_all",
     "await_exchange",
-    "exchange_counts",
     "finish_all_to_all",
     "start_all_to_all",
     "start_count_exchange",
@@ -45,7 +42,6 @@ def wait_work(
     what: str,
     group: dist.ProcessGroup,
     timeout: float | None = None,
-    baton: ComputeBaton | None = None,
     wait_log: list | None = None,
 ) -> None:
     """Wait for ``work``; raise a ``RuntimeError`` naming ``what`` and this rank when it fails or times out.
@@ -55,51 +51,28 @@ def wait_work(
         what: the operation, for the error message.
         group: its process group (for the rank in the message).
         timeout: seconds; None waits as long as the group's own timeout.
-        baton: the overlapped pair's :class:`ComputeBaton`, released for the wait if this thread holds it.
         wait_log: when given, appends ``(what, start, end)`` of the wait itself (``time.perf_counter()``
             seconds): the time this thread was blocked, not the time the collective was in flight.
     """
     start = time.perf_counter()
     try:
-        with baton.released() if baton is not None else contextlib.nullcontext():
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except Exception as exc:
-        raise RuntimeError(
-            f"expert parallel {what} did not complete on rank {dist.get_rank(group)} of "
-            f"{dist.get_world_size(group)} ({exc}); did every rank of the expert-parallel group run the same "
-            "MoE layers in the same order?"
-        ) from exc
+        bounded_wait(
+            work,
+            f"expert parallel {what}",
+            timeout=timeout,
+            group=group,
+            hint="did every rank of the expert-parallel group run the same MoE layers in the same order?",
+        )
     finally:
         if wait_log is not None:
             wait_log.append((what, start, time.perf_counter()))
-
-
-def exchange_counts(
-    counts: torch.Tensor, group: dist.ProcessGroup, timeout: float | None = None
-) -> torch.Tensor:
-    """All-to-all the per-expert token counts of an expert-parallel group.
-
-    Args:
-        counts: ``(ep_size * local_experts,)`` int64: how many token copies this rank sends to each global
-            expert (experts ``[r * local_experts, (r + 1) * local_experts)`` live on rank ``r``).
-        group: the expert-parallel group.
-        timeout: seconds to wait (None: the group's timeout).
-
-    Returns:
-        ``(ep_size, local_experts)`` int64 on the host: row ``s`` holds how many copies rank ``s`` sends to
-        each of this rank's experts.
-    """
-    return start_count_exchange(counts, group).wait(timeout)
 
 
 class CountExchange:
     """A token-count exchange in flight (from :func:`start_count_exchange`); :meth:`wait` returns its result.
 
     Starting it before the token permutation and waiting just before the dispatch lets the round trip run
-    under that compute instead of as a separate blocking step (in an overlapped pair, one hand-off fewer).
+    under that compute instead of as a separate blocking step.
     """
 
     def __init__(
@@ -108,17 +81,16 @@ class CountExchange:
         work: dist.Work,
         group: dist.ProcessGroup,
         log: list | None,
-        baton: ComputeBaton | None = None,
         wait_log: list | None = None,
     ) -> None:
-        self._received, self._work, self._group, self._log, self._baton = received, work, group, log, baton
+        self._received, self._work, self._group, self._log = received, work, group, log
         self._wait_log = wait_log
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Wait for the exchange; return ``(ep_size, local_experts)`` int64 on the host (see
-        :func:`exchange_counts`)."""
+        """Wait for the exchange; return ``(ep_size, local_experts)`` int64 on the host: row ``s`` holds how
+        many copies rank ``s`` sends to each of this rank's experts."""
         start = time.perf_counter()
-        wait_work(self._work, "token-count exchange", self._group, timeout, self._baton, self._wait_log)
+        wait_work(self._work, "token-count exchange", self._group, timeout, self._wait_log)
         if (
             self._log is not None
         ):  # (name, wait start, end): only the blocked part (the permutation ran before)
@@ -130,31 +102,33 @@ def start_count_exchange(
     counts: torch.Tensor,
     group: dist.ProcessGroup,
     log: list | None = None,
-    baton: ComputeBaton | None = None,
     wait_log: list | None = None,
 ) -> CountExchange:
-    """Start :func:`exchange_counts` asynchronously; wait with the returned handle's ``wait()``.
+    """All-to-all the per-expert token counts of an expert-parallel group, asynchronously.
 
     Args:
-        counts: ``(ep_size * local_experts,)`` int64, as :func:`exchange_counts`.
+        counts: ``(ep_size * local_experts,)`` int64: how many token copies this rank sends to each global
+            expert (experts ``[r * local_experts, (r + 1) * local_experts)`` live on rank ``r``).
         group: the expert-parallel group.
         log: when given, the wait appends ``("dispatch counts", start, end)`` (``time.perf_counter()`` seconds,
             from entering the wait).
-        baton: released for the wait (see :func:`wait_work`).
         wait_log: see :func:`wait_work`.
 
     Returns:
-        The exchange in flight.
+        The exchange in flight; its ``wait()`` returns the received counts.
+
+    Raises:
+        ValueError: ``counts`` is not ``(ep_size * local_experts,)``.
     """
     ep = dist.get_world_size(group)
     if counts.dim() != 1 or counts.numel() % ep:
         raise ValueError(
-            f"exchange_counts: counts must be (ep_size * local_experts,), got shape {tuple(counts.shape)} for "
+            f"start_count_exchange: counts must be (ep_size * local_experts,), got shape {tuple(counts.shape)} for "
             f"ep_size={ep}"
         )
     received = torch.empty_like(counts)
     work = dist.all_to_all_single(received, counts.contiguous(), group=group, async_op=True)
-    return CountExchange(received, work, group, log, baton, wait_log)
+    return CountExchange(received, work, group, log, wait_log)
 
 
 class PendingExchange:
@@ -181,11 +155,11 @@ class PendingExchange:
         self.start = time.perf_counter()
         self.done = False
 
-    def wait(self, baton: ComputeBaton | None = None) -> torch.Tensor:
+    def wait(self) -> torch.Tensor:
         """Wait for the exchange (once) and log it; returns ``out``."""
         if not self.done:
             self.done = True
-            wait_work(self._work, self.what, self.group, baton=baton, wait_log=self.wait_log)
+            wait_work(self._work, self.what, self.group, wait_log=self.wait_log)
             self._sent = None  # the send buffer must live until the exchange completed
             if self.log is not None:  # (name, issued, waited) in perf_counter seconds, for timelines
                 self.log.append((self.what, self.start, time.perf_counter()))
@@ -210,17 +184,25 @@ def start_all_to_all(
     log: list | None = None,
     wait_log: list | None = None,
 ) -> PendingExchange:
-    """Issue the forward exchange of :func:`all_to_all` (no autograd, no wait).
+    """Issue a variable-split exchange over ``group`` (no autograd, no wait).
 
     Args:
-        x: ``(sum(in_splits), *rest)``; row block ``r`` goes to rank ``r``. It must stay unmodified until
-            :func:`finish_all_to_all`.
-        out_splits, in_splits, group, what, log: as :func:`all_to_all`.
+        x: ``(sum(in_splits), *rest)``; row block ``r`` (``in_splits[r]`` rows) goes to rank ``r``. It must stay
+            unmodified until :func:`finish_all_to_all`.
+        out_splits: rows received from each rank (from the token-count exchange).
+        in_splits: rows sent to each rank.
+        group: the expert-parallel group.
+        what: name of the exchange in error messages and logs (``"dispatch"``, ``"combine"``).
+        log: when given, each exchange (forward and backward) appends ``(name, start, end)`` to it
+            (``time.perf_counter()`` seconds, wait included).
         wait_log: when given, every wait of this exchange (forward and backward) appends ``(name, start, end)``
             of the blocked time (see :func:`wait_work`).
 
     Returns:
         The exchange in flight.
+
+    Raises:
+        ValueError: the split sizes do not match the group or ``x``.
     """
     ep = dist.get_world_size(group)
     if len(out_splits) != ep or len(in_splits) != ep or sum(in_splits) != x.shape[0]:
@@ -261,20 +243,17 @@ def _exchange(
     what: str,
     log: list | None = None,
     while_in_flight: Callable[[], object] | None = None,
-    baton: ComputeBaton | None = None,
     wait_log: list | None = None,
 ) -> torch.Tensor:
     start = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    if while_in_flight is not None:
-        try:
+    try:
+        if while_in_flight is not None:
             while_in_flight()
-        finally:
-            # Waited even when the work in flight failed: a collective left unwaited would hang the group.
-            wait_work(work, what, group, baton=baton, wait_log=wait_log)
-    else:
-        wait_work(work, what, group, baton=baton, wait_log=wait_log)
+    finally:
+        # Waited even when the work in flight failed: a collective left unwaited would hang the group.
+        wait_work(work, what, group, wait_log=wait_log)
     if log is not None:  # (name, start, end) in perf_counter seconds, for timelines
         log.append((what, start, time.perf_counter()))
     return out
@@ -284,24 +263,23 @@ class AllToAll(torch.autograd.Function):
     """The finishing half of a variable-split ``all_to_all_single``; backward runs the same exchange the other way.
 
     Shapes: ``x: (sum(in_splits), *rest)`` -> ``(sum(out_splits), *rest)``; row block ``s`` of the output
-    came from rank ``s`` of ``group``. The forward waits for ``pending`` (started by :func:`start_all_to_all`
-    from ``x``) and returns its buffer. The backward exchange runs on ``backward_group`` (same ranks; a separate
-    group lets one microbatch's forward and another's backward exchange concurrently on two threads).
+    came from rank ``s`` of the group. The forward waits for ``pending`` (started by :func:`start_all_to_all`
+    from ``x``) and returns its buffer; the backward exchanges the gradient over the same group.
     ``in_backward_flight`` (optional) is called while the backward exchange is in flight, before its wait; so
-    is the node's ``advance_pair`` attribute when a single-thread overlapped driver set it (it advances the
-    other microbatch's forward by one step).
+    is the node's ``advance_pair`` attribute when the overlapped driver set it (it advances the other
+    microbatch's forward by one step).
     """
 
     @staticmethod
-    def forward(ctx, x, pending, backward_group, in_backward_flight, baton):  # type: ignore[override]
-        # The group is looked up / held weakly (parallel/group_ref.py): a graph kept alive by a tensor in the
+    def forward(ctx, x, pending, in_backward_flight):  # type: ignore[override]
+        # The group is looked up / held weakly (distributed/group_ref.py): a graph kept alive by a tensor in the
         # user's globals must not keep the group's gloo workers alive past destroy_process_group().
-        ctx.group = GroupRef(backward_group, owner=f"AllToAll ({pending.what}) backward_group")
+        ctx.group = GroupRef(pending.group, owner=f"AllToAll ({pending.what}) group")
         ctx.splits, ctx.what, ctx.log = pending.splits, pending.what, pending.log
         ctx.wait_log = pending.wait_log
-        ctx.in_flight, ctx.baton = in_backward_flight, baton
+        ctx.in_flight = in_backward_flight
         ctx.advance_pair = None
-        return pending.wait(None if baton is None else baton())
+        return pending.wait()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -322,77 +300,26 @@ class AllToAll(torch.autograd.Function):
             f"{ctx.what} backward",
             ctx.log,
             while_in_flight if in_flight is not None or advance is not None else None,
-            None if ctx.baton is None else ctx.baton(),  # the baton of the pair running this backward, if any
             ctx.wait_log,
         )
-        return dx, None, None, None, None
+        return dx, None, None
 
 
 def finish_all_to_all(
     x: torch.Tensor,
     pending: PendingExchange,
     *,
-    backward_group: dist.ProcessGroup | None = None,
     in_backward_flight: Callable[[], object] | None = None,
-    baton: Callable[[], ComputeBaton | None] | None = None,
 ) -> torch.Tensor:
     """Wait for ``pending`` (started from ``x``) and return its output, differentiable with respect to ``x``.
 
     Args:
         x: the tensor :func:`start_all_to_all` sent.
         pending: its exchange in flight.
-        backward_group, in_backward_flight, baton: as :func:`all_to_all`.
-
-    Returns:
-        ``(sum(out_splits), *rest)``.
-    """
-    back = pending.group if backward_group is None else backward_group
-    if dist.get_world_size(back) != dist.get_world_size(pending.group):
-        raise ValueError(
-            f"all_to_all ({pending.what}): backward_group has {dist.get_world_size(back)} ranks, group "
-            f"{dist.get_world_size(pending.group)}"
-        )
-    return AllToAll.apply(x, pending, back, in_backward_flight, baton)
-
-
-def all_to_all(
-    x: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group: dist.ProcessGroup,
-    *,
-    what: str = "all-to-all",
-    backward_group: dist.ProcessGroup | None = None,
-    log: list | None = None,
-    in_backward_flight: Callable[[], object] | None = None,
-    baton: Callable[[], ComputeBaton | None] | None = None,
-) -> torch.Tensor:
-    """Differentiable variable-split all-to-all over ``group``.
-
-    Args:
-        x: ``(sum(in_splits), *rest)``; row block ``r`` (``in_splits[r]`` rows) goes to rank ``r``.
-        out_splits: rows received from each rank (from :func:`exchange_counts`).
-        in_splits: rows sent to each rank.
-        group: the expert-parallel group.
-        what: name of the exchange in error messages (``"dispatch"``, ``"combine"``).
-        backward_group: the group of the backward exchange (same ranks); None: ``group``.
-        log: when given, each exchange (forward and backward) appends ``(name, start, end)`` to it
-            (``time.perf_counter()`` seconds, wait included).
         in_backward_flight: called in the backward after the backward exchange started and before it is
             waited for (work independent of it, e.g. the experts' deferred weight gradients); None: nothing.
-        baton: returns the :class:`ComputeBaton` of the overlapped pair running now (or None), asked at each
-            wait of both directions (the backward may run in a later pair than the forward); the thread holding
-            it releases it while waiting. None: plain waits.
 
     Returns:
         ``(sum(out_splits), *rest)``.
     """
-    if backward_group is not None and dist.get_world_size(backward_group) != dist.get_world_size(group):
-        raise ValueError(
-            f"all_to_all ({what}): backward_group has {dist.get_world_size(backward_group)} ranks, group "
-            f"{dist.get_world_size(group)}"
-        )
-    pending = start_all_to_all(x, out_splits, in_splits, group, what=what, log=log)
-    return finish_all_to_all(
-        x, pending, backward_group=backward_group, in_backward_flight=in_backward_flight, baton=baton
-    )
+    return AllToAll.apply(x, pending, in_backward_flight)

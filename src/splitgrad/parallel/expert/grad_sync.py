@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.steps import Steps, child_steps
-from ..ddp import DistributedDataParallel
+from ..data import DistributedDataParallel
 
 __all__ = ["ExpertDataParallel", "ParameterGroup", "is_expert_parameter"]
 

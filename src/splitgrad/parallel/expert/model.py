@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from ...models.config import MoEConfig
 from ...models.moe import MoEGPT
@@ -23,36 +23,28 @@ class ExpertParallelMoEGPT(MoEGPT):
         ep_group: the expert-parallel process group.
         dp_group: every rank whose tokens form the global batch (default ``ep_group``).
         experts: ``"module"`` (``splitgrad.GroupedLinear``) or ``"ops"`` (``splitgrad.ops.GroupedLinear``).
-        ep_backward_group: a second group of the same ranks for the backward's all-to-alls (batch-level overlap
-            with ``driver="threads"`` runs one microbatch's forward A2A while another's backward A2A is in flight
-            on another thread; ``driver="steps"`` needs none).
         device: parameter device.
+
+    Raises:
+        ValueError: no ``ep_group``; its size does not divide ``num_experts``; an unknown ``experts`` kind.
     """
 
     def __init__(
         self,
         config: MoEConfig,
         *,
-        ep_group: object,
-        dp_group: object | None = None,
+        ep_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup | None = None,
         experts: str = "module",
-        ep_backward_group: object | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         if ep_group is None:
             raise ValueError("ExpertParallelMoEGPT needs an ep_group; the single-process model is MoEGPT")
-        # Read by _make_mlp, which GPT.__init__ calls before this class could set attributes normally.
-        object.__setattr__(self, "_expert_parallel", (ep_group, dp_group, experts, ep_backward_group))
-        try:
-            super().__init__(config, device=device)
-        finally:
-            # Needed only while the layers are built: kept, it would hold the groups (and their gloo workers)
-            # past destroy_process_group(); the layers look them up themselves.
-            object.__delattr__(self, "_expert_parallel")
 
-    def _make_mlp(self, config: MoEConfig, layer: int) -> nn.Module:  # type: ignore[override]
-        del layer
-        ep_group, dp_group, experts, backward_group = self._expert_parallel
-        return ExpertParallelMoEMLP(
-            config, ep_group, dp_group, experts=experts, backward_group=backward_group
-        )
+        def make_mlp(config: MoEConfig, layer: int) -> ExpertParallelMoEMLP:
+            # Used during construction only: the layers look their groups up themselves, and a factory kept
+            # on the model would hold the groups (and their gloo workers) past destroy_process_group().
+            del layer
+            return ExpertParallelMoEMLP(config, ep_group, dp_group, experts=experts)
+
+        super().__init__(config, device=device, make_mlp=make_mlp)

@@ -11,8 +11,9 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..actions import Schedule
-from ..simulate import Costs, SimulationResult, simulate
+from ..ir.actions import Schedule
+from ..ir.simulate import SimulationResult
+from ._list_scheduler import PlanCosts
 
 __all__ = ["Candidate", "CandidatePool"]
 
@@ -43,21 +44,17 @@ def spans_key(c: Candidate) -> tuple[float, ...]:
 
 
 class CandidatePool:
-    """Schedules simulated under one set of costs, kept when they fit the per-rank memory limits."""
+    """Schedules simulated under one set of costs, kept when they fit the per-rank memory limits.
 
-    def __init__(
-        self,
-        f: Costs,
-        b: Costs,
-        w: Costs,
-        comm: float,
-        *,
-        limits: Sequence[float],
-        w_memory: float,
-    ) -> None:
-        self.costs = (f, b, w, comm)  # read by a GreedySearch to run its passes under the same problem
+    Args:
+        costs: the search's costs and memory model (a :class:`~._search.GreedySearch` runs its passes under
+            them too).
+        limits: per-rank memory limit in units of ``M_B``.
+    """
+
+    def __init__(self, costs: PlanCosts, limits: Sequence[float]) -> None:
+        self.costs = costs
         self.limits = tuple(limits)
-        self.w_memory = w_memory
         self.candidates: list[Candidate] = []
 
     def consider(self, label: str, schedule: Schedule | None) -> Candidate | None:
@@ -65,7 +62,7 @@ class CandidatePool:
         of ``M_B``) is within its limit; the kept candidate, else None."""
         if schedule is None:
             return None
-        result = simulate(schedule, *self.costs, w_memory=self.w_memory)
+        result = self.costs.simulate(schedule)
         if any(peak > cap + _EPS for peak, cap in zip(result.peak_memory, self.limits)):
             return None
         self.candidates.append(Candidate(label, schedule, result))

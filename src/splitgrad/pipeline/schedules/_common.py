@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..actions import Action, ActionKind, OverlapAction, Schedule
+from ..ir.actions import Action, ActionKind, OverlapAction, Schedule
 
 # Actions are built in bulk (p = 64, m = 512 writes ~200k); tuple.__new__ skips NamedTuple's Python-level __new__.
 _new = tuple.__new__

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ..actions import Schedule
+from ..ir.actions import Schedule
 from ._candidates import Candidate, CandidatePool
 
 __all__ = ["GreedySearch"]
@@ -35,12 +35,12 @@ class GreedySearch:
         n_microbatches: int,
         pool: CandidatePool,
     ) -> None:
-        f, b, w, comm = pool.costs
+        costs = pool.costs
         self.pool = pool
         self.settings: dict[str, dict[str, Any]] = {}  # greedy label -> the settings that made it
         self._pass = functools.partial(
-            greedy_pass, n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=pool.limits,
-            w_memory=pool.w_memory,
+            greedy_pass, n_stages, n_microbatches, f=costs.f, b=costs.b, w=costs.w, comm=costs.comm,
+            memory_limit=pool.limits, w_memory=costs.w_memory,
         )  # fmt: skip
 
     def greedy(self, label: str, **settings: Any) -> Candidate | None:

@@ -11,7 +11,8 @@ free, picks its next action from what it could run *now* in a list-scheduling si
   before the next input can arrive (``fill="fit"``);
 * otherwise the rank waits.
 
-Memory follows the paper's model (Table 1): ``F`` holds one activation ``M_B``, ``B`` frees all but
+That choice is :class:`_ZbPlanner`'s ``choose``; the event loop, the pass's state and the memory model are the
+list scheduler zb-auto shares with zbv-auto (``_list_scheduler.py``). Memory follows the paper's model (Table 1): ``F`` holds one activation ``M_B``, ``B`` frees all but
 ``M_W = w_memory * M_B``, ``W`` the rest; ``memory_limit`` is in units of ``M_B``. With ``w_memory < 1`` a
 limit of ``2p`` leaves room for deeper warm-ups; the ``zb-2p-warmup`` candidates use it but stop a rank's
 warm-up where a forward would hold up the first input gradient on its way back up.
@@ -24,19 +25,20 @@ the candidates whenever the limit allows ``p`` activations, zb-auto is never wor
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
-from .._coerce import per_rank_memory_limits
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
-from ..simulate import Costs, check_w_memory, stage_costs
+from ..ir._coerce import per_rank_memory_limits
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
+from ..ir.simulate import Costs
 from ._candidates import Candidate, CandidatePool, pick_best, spans_key
 from ._common import check_choice, check_positive_int, loop_mapping
-from ._greedy import PassState
+from ._list_scheduler import PassState, PlanCosts, Run, Wait, list_schedule
 from ._search import GreedySearch
 from .gpipe_1f1b import one_f_one_b
 from .zero_bubble import zb_h1, zb_h2
@@ -46,8 +48,6 @@ __all__ = ["AutoCandidate", "auto_candidates", "greedy_schedule", "zb_auto"]
 logger = logging.getLogger(__name__)
 
 _F, _B, _W = ActionKind.F, ActionKind.B, ActionKind.W
-
-
 _EPS = 1e-9
 _GUARD_RANKS = 8  # the guard search tries ranks below this: further from rank 0 a W delays fewer ranks
 
@@ -103,116 +103,116 @@ def greedy_schedule(
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
     check_choice("zb-auto", "fill", fill, ("eager", "fit", "reserve"))
     p, m = n_stages, n_microbatches
-    fc, bc, wc = stage_costs(f, p, "f"), stage_costs(b, p, "b"), stage_costs(w, p, "w")
+    costs = PlanCosts.of("zb-auto", p, f=f, b=b, w=w, comm=comm, w_memory=w_memory)
     limits = _memory_limits(memory_limit, p)
-    r_w = check_w_memory(w_memory, "zb-auto")
     caps = tuple(int(x) for x in limits) if warmup is None else tuple(warmup)
     if len(caps) != p or any(c < 1 for c in caps):
         raise ValueError(f"zb-auto: warmup must give one cap >= 1 per rank, got {warmup=}")
     guarded = (False,) * p if w_guard is None else tuple(bool(g) for g in w_guard)
     if len(guarded) != p:
         raise ValueError(f"zb-auto: w_guard must give one flag per rank ({p} ranks), got {w_guard=}")
-
     # Earliest arrival of each rank's first input gradient: microbatch 0 down every stage and back up.
-    down = sum(fc) + (p - 1) * comm
-    first_grad = [down + sum(bc[s + 1 :]) + (p - 1 - s) * comm for s in range(p)]
-    state = PassState(p, p, m, fc, bc, wc, r_w)  # stage s on rank s
-    fend, bend, nf, nb, free = state.fend, state.bend, state.nf, state.nb, state.free
-    live, last_was_f, pending, actions = state.live, state.last_was_f, state.pending, state.actions
-    version = [0] * p
-    sleeping = [False] * p
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
+    fc, bc, comm_ = costs.f, costs.b, costs.comm
+    down = sum(fc) + (p - 1) * comm_
+    first_grad = tuple(down + sum(bc[s + 1 :]) + (p - 1 - s) * comm_ for s in range(p))
+    planner = _ZbPlanner(costs, m, limits, caps, guarded, first_grad, fill, alternate, warmup_deadline)
+    state = PassState(p, p, m, costs)  # stage s on rank s
+    if not list_schedule(planner, state):  # pragma: no cover - the rules always make progress; guards edits
+        stuck = [s for s in range(p) if len(state.actions[s]) != 3 * m]
+        raise RuntimeError(f"zb-auto greedy pass stalled on ranks {stuck} ({n_stages=} {n_microbatches=})")
+    return Schedule(
+        name="zb-auto", n_microbatches=m, stage_to_rank=loop_mapping(p, p), rank_actions=tuple(state.actions)
+    )
 
-    def push(t: float, s: int) -> None:
-        nonlocal seq
-        version[s] += 1
-        sleeping[s] = False
-        heapq.heappush(heap, (t, seq, s, version[s]))
-        seq += 1
 
-    def arrival(s: int, kind: ActionKind, now: float) -> tuple[float | None, float]:
-        """(known arrival time or None, lower bound) of the input the next ``kind`` of ``s`` needs."""
-        if kind is _F:
-            i = nf[s]
-            if s == 0:
-                return 0.0, 0.0
-            t = fend[s - 1][i]
-            if t < math.inf:  # producer already scheduled
-                return t + comm, t + comm
-            return None, max(free[s - 1], now) + fc[s - 1] + comm
-        i = nb[s]
-        if s == p - 1:
-            return fend[s][i], fend[s][i]
-        t = bend[s + 1][i]
-        if t < math.inf:
-            return t + comm, t + comm
-        return None, max(free[s + 1], now) + bc[s + 1] + comm
+@dataclass(frozen=True, slots=True)
+class _ZbPlanner:
+    """zb-auto's choice for a free rank ``s`` (it holds stage ``s``); see the module docstring for the rules."""
 
-    for s in range(p):
-        push(0.0, s)
-    while heap:
-        now, _, s, ver = heapq.heappop(heap)
-        if ver != version[s]:
-            continue
-        t = max(now, free[s])
-        f_allowed = nf[s] < m and live[s] + 1.0 <= limits[s] + _EPS and (nb[s] > 0 or nf[s] < caps[s])
+    fifo_ties: ClassVar[bool] = True
+    wake_idle_only: ClassVar[bool] = True
+    costs: PlanCosts
+    m: int
+    limits: tuple[float, ...]
+    caps: tuple[int, ...]
+    """Per rank, the forwards it may run before its first ``B``."""
+    guarded: tuple[bool, ...]
+    """Per rank, whether a ``W`` must end before the next input gradient can arrive."""
+    first_grad: tuple[float, ...]
+    """Per rank, the earliest arrival of its first input gradient."""
+    fill: str
+    alternate: bool
+    warmup_deadline: float | None
+
+    def choose(self, st: PassState, s: int, t: float) -> Run | Wait:
+        nf, nb, m, fc = st.nf, st.nb, self.m, self.costs.f
+        f_allowed = (
+            nf[s] < m and st.live[s] + 1.0 <= self.limits[s] + _EPS and (nb[s] > 0 or nf[s] < self.caps[s])
+        )
+        deadline = self.warmup_deadline
         if (
             f_allowed
-            and warmup_deadline is not None
+            and deadline is not None
             and s > 0
             and nb[s] == 0
             and nf[s] > 0
-            and t + fc[s] > first_grad[s] + warmup_deadline * fc[s]
+            and t + fc[s] > self.first_grad[s] + deadline * fc[s]
         ):
             f_allowed = False
         b_allowed = nb[s] < nf[s]
-        if not (f_allowed or b_allowed or pending[s]):
-            if nf[s] < m or nb[s] < m:  # blocked by memory with nothing to free: wait for a B
-                sleeping[s] = True
-            continue
-        tf, lf = arrival(s, _F, t) if f_allowed else (None, math.inf)
-        tb, lb = arrival(s, _B, t) if b_allowed else (None, math.inf)
+        pending = st.pending[s]
+        if not (f_allowed or b_allowed or pending):
+            # Blocked by memory with nothing to free: wait for a B (its producer's action wakes this rank).
+            return Wait(None, nf[s] < m or nb[s] < m)
+        tf, lf = self._arrival(st, s, _F, t) if f_allowed else (None, math.inf)
+        tb, lb = self._arrival(st, s, _B, t) if b_allowed else (None, math.inf)
         f_now = tf is not None and tf <= t
         b_now = tb is not None and tb <= t
         if b_now and f_now:
-            choice = _B if (last_was_f[s] or not alternate) else _F
-        elif b_now:
-            choice = _B
-        elif f_now:
-            choice = _F
-        elif (
-            pending[s]
-            and (not guarded[s] or lb >= t + wc[s])
+            return Run(_B if (st.last_was_f[s] or not self.alternate) else _F, s)
+        if b_now:
+            return Run(_B, s)
+        if f_now:
+            return Run(_F, s)
+        w = self.costs.w[s]
+        if (
+            pending
+            and (not self.guarded[s] or lb >= t + w)
             and (
-                fill == "eager"
-                or (fill == "reserve" and len(pending[s]) > 1)
-                or min(lf, lb) >= t + wc[s]
+                self.fill == "eager"
+                or (self.fill == "reserve" and len(pending) > 1)
+                or min(lf, lb) >= t + w
                 or not (f_allowed or b_allowed)
             )
         ):
-            choice = _W
-        else:
-            known = [x for x in (tf, tb) if x is not None]
-            if known:
-                push(min(known), s)
-            if len(known) < int(f_allowed) + int(b_allowed):
-                sleeping[s] = True
-            continue
-        _, end = state.run(s, choice, s, t)
-        # The rank whose input this action produced: a sleeping one may now run.
-        neighbour = s + 1 if choice is _F else s - 1 if choice is _B else -1
-        if nf[s] < m or nb[s] < m or pending[s]:
-            push(end, s)
-        if 0 <= neighbour < p and sleeping[neighbour]:
-            push(t, neighbour)
+            return Run(_W, s)
+        known = [x for x in (tf, tb) if x is not None]
+        return Wait(min(known) if known else None, len(known) < int(f_allowed) + int(b_allowed))
 
-    stuck = [s for s in range(p) if len(actions[s]) != 3 * m]
-    if stuck:  # pragma: no cover - the rules above always make progress; this guards future edits
-        raise RuntimeError(f"zb-auto greedy pass stalled on ranks {stuck} ({n_stages=} {n_microbatches=})")
-    return Schedule(
-        name="zb-auto", n_microbatches=m, stage_to_rank=loop_mapping(p, p), rank_actions=tuple(actions)
-    )
+    def consumer(
+        self, st: PassState, kind: ActionKind, s: int, start: float, end: float
+    ) -> tuple[int, float] | None:
+        # The rank whose input this action produced: if it waits on a producer, it may now run.
+        neighbour = s + 1 if kind is _F else s - 1 if kind is _B else -1
+        return (neighbour, start) if 0 <= neighbour < len(self.caps) else None
+
+    def _arrival(self, st: PassState, s: int, kind: ActionKind, now: float) -> tuple[float | None, float]:
+        """(known arrival time or None, lower bound) of the input the next ``kind`` of ``s`` needs."""
+        comm = self.costs.comm
+        if kind is _F:
+            if s == 0:
+                return 0.0, 0.0
+            t = st.fend[s - 1][st.nf[s]]
+            if t < math.inf:  # producer already scheduled
+                return t + comm, t + comm
+            return None, max(st.free[s - 1], now) + self.costs.f[s - 1] + comm
+        i = st.nb[s]
+        if s == len(self.caps) - 1:
+            return st.fend[s][i], st.fend[s][i]
+        t = st.bend[s + 1][i]
+        if t < math.inf:
+            return t + comm, t + comm
+        return None, max(st.free[s + 1], now) + self.costs.b[s + 1] + comm
 
 
 AutoCandidate = Candidate
@@ -243,7 +243,8 @@ def auto_candidates(
     check_positive_int("zb-auto", n_stages=n_stages, n_microbatches=n_microbatches)
     p, m = n_stages, n_microbatches
     limits = _memory_limits(memory_limit, p)
-    pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
+    costs = PlanCosts.of("zb-auto", p, f=f, b=b, w=w, comm=comm, w_memory=w_memory)
+    pool = CandidatePool(costs, limits)
     search = GreedySearch(greedy_schedule, p, m, pool)
     greedy = search.greedy
 

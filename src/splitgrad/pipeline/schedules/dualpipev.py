@@ -3,7 +3,7 @@
 Same placement as ZB-V. In the main phase each rank pairs the forward of one stage with the full backward of
 the other; DualPipe runs such a pair as one overlapped chunk (``overlapped_forward_backward``) so that one's
 communication hides behind the other's compute. Here a pair is one
-:class:`~splitgrad.pipeline.actions.OverlapAction` (``"0F3+3BW1"``): the simulator credits ``overlap`` of its shorter
+:class:`~splitgrad.pipeline.ir.actions.OverlapAction` (``"0F3+3BW1"``): the simulator credits ``overlap`` of its shorter
 part (default none), and a runtime hands it to the stage's ``overlapped_forward_backward`` or runs the parts in
 order. ``overlap=False`` writes the pairs as two consecutive actions instead. The start and the tail use split
 backwards with a first-in-first-out queue of pending weight gradients, as DualPipe's ``WeightGradStore`` does.
@@ -11,8 +11,8 @@ backwards with a first-in-first-out queue of pending weight gradients, as DualPi
 
 from __future__ import annotations
 
-from .._perf import gc_paused
-from ..actions import Schedule
+from ..ir._perf import gc_paused
+from ..ir.actions import Schedule
 from ._common import RankProgram, check_v_shape, finish, v_mapping
 
 __all__ = ["dualpipev"]

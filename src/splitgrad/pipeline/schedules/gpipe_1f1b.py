@@ -7,8 +7,8 @@ split path.
 
 from __future__ import annotations
 
-from .._perf import gc_paused
-from ..actions import Schedule
+from ..ir._perf import gc_paused
+from ..ir.actions import Schedule
 from ._common import RankProgram, check_positive_int, finish, loop_mapping
 
 __all__ = ["gpipe", "one_f_one_b"]

@@ -7,8 +7,8 @@ chunks in groups of ``p``, which is why ``n_microbatches`` must be a multiple of
 
 from __future__ import annotations
 
-from .._perf import gc_paused
-from ..actions import Schedule
+from ..ir._perf import gc_paused
+from ..ir.actions import Schedule
 from ._common import RankProgram, check_positive_int, finish, loop_mapping
 
 __all__ = ["interleaved_1f1b"]

@@ -1,4 +1,8 @@
-"""Schedule families by name: :func:`build_schedule` and :func:`schedule_names`."""
+"""Schedule families by name: :func:`build_schedule` and :func:`schedule_names`.
+
+``SCHEDULES`` (the name -> builder table) stays exported here only because ``splitgrad.pipeline.SCHEDULES``, a
+deprecated name, points to it; list the families with :func:`schedule_names`.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from .._coerce import normalize_schedule_args
-from ..actions import Schedule
+from ..ir._coerce import normalize_schedule_args
+from ..ir.actions import Schedule
 from .auto import zb_auto
 from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b

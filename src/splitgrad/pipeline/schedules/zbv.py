@@ -8,8 +8,8 @@ at most ``2p`` half-size stage activations, i.e. 1F1B's peak memory.
 
 from __future__ import annotations
 
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
 from ._common import RankProgram, check_v_shape, finish, v_mapping
 
 __all__ = ["zbv"]

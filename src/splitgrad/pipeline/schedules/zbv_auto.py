@@ -3,8 +3,9 @@
 The fixed :func:`~splitgrad.pipeline.schedules.zbv.zbv` pattern is bubble-free when ``F = B = W`` and transfers
 are free; when the costs differ (or ``comm > 0``) its ranks wait. The zero-bubble paper's ZB-V (Qi et al.,
 ICLR 2024, section 6) instead builds the V greedily from the costs and keeps the best of a few settings.
-zbv-auto does the same with its own list scheduler on the V placement (rank ``r`` holds stage ``r`` on the
-way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it picks, from what could run *now*,
+zbv-auto does the same with the list scheduler it shares with zb-auto, on the V placement (rank ``r`` holds
+stage ``r`` on the way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it picks, from what
+could run *now*,
 
 * an input gradient ``B`` (on the critical path; the down-stage one first by default: it is further along
   its microbatch's backward chain and frees a whole activation), alternating with forwards as in 1F1B
@@ -15,9 +16,12 @@ way down and ``2p - 1 - r`` on the way back up): whenever a rank is free it pick
   next input can arrive (``fill="fit"``) or when the rank is at its memory limit;
 * otherwise it waits.
 
+That choice is :class:`_ZbvPlanner`'s ``choose``; the event loop, the pass's state and the memory model are in
+``_list_scheduler.py``.
+
 :func:`zbv_auto` runs this for several in-flight depths, fill rules and priorities, adds the fixed ``zbv``,
 then re-places the ``W`` of the best few plans' cool-downs (and of the fixed V throughout) with
-:func:`~splitgrad.pipeline.schedules.w_refill.refill_w`: in the paper's settings the fixed V loses its bubble
+:func:`~splitgrad.pipeline.passes.refill_w`: in the paper's settings the fixed V loses its bubble
 at the end, where it runs a ``W`` while an input gradient other ranks wait for is ready. Every candidate is
 simulated under the given costs and memory model and the best is returned (shortest longest-rank span, then
 makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits the memory limit (it
@@ -27,20 +31,21 @@ stalls (memory full on every rank that could unblock another) is dropped, not re
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
-from .._coerce import as_cost, per_rank_memory_limits
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
-from ..simulate import Costs, check_w_memory, stage_costs
+from ..ir._coerce import per_rank_memory_limits
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
+from ..ir.simulate import Costs
+from ..passes.w_refill import refill_w
 from ._candidates import Candidate, CandidatePool, pick_best
 from ._common import check_choice, check_v_shape, v_mapping
-from ._greedy import PassState
+from ._list_scheduler import PassState, PlanCosts, Run, Wait, list_schedule
 from ._search import GreedySearch
-from .w_refill import refill_w
 from .zbv import zbv
 
 __all__ = ["ZbvCandidate", "zbv_auto", "zbv_auto_candidates", "zbv_greedy"]
@@ -110,9 +115,8 @@ def zbv_greedy(
     check_v_shape("zbv-auto", n_stages, n_microbatches)
     check_choice("zbv-auto", "fill", fill, ("eager", "fit"))
     p, m, n = n_stages // 2, n_microbatches, n_stages
-    fc, bc, wc = stage_costs(f, n, "f"), stage_costs(b, n, "b"), stage_costs(w, n, "w")
+    costs = PlanCosts.of("zbv-auto", n, f=f, b=b, w=w, comm=comm, w_memory=w_memory)
     limits = _limits(memory_limit, p)
-    r_w = check_w_memory(w_memory, "zbv-auto")
     dcap = tuple(2 * p - 1 - r for r in range(p)) if down_cap is None else tuple(down_cap)
     ucap = tuple(r + 1 for r in range(p)) if up_cap is None else tuple(up_cap)
     for what, caps in (("down_cap", dcap), ("up_cap", ucap)):
@@ -121,94 +125,101 @@ def zbv_greedy(
                 f"zbv-auto: {what} must give one integer cap >= 1 per rank ({p} ranks), got {caps}"
             )
     rank_of = v_mapping(p)
+    planner = _ZbvPlanner(costs, m, limits, dcap, ucap, rank_of, fill, alternate, down_b_first, strict)
+    state = PassState(n, p, m, costs)
+    if not list_schedule(planner, state):
+        return None  # stalled: every rank that could free memory waits on one that cannot
+    return Schedule(
+        name="zbv-auto",
+        n_microbatches=m,
+        stage_to_rank=rank_of,
+        rank_actions=tuple(map(tuple, state.actions)),
+    )
 
-    state = PassState(n, p, m, fc, bc, wc, r_w)
-    fend, bend, nf, nb, free = state.fend, state.bend, state.nf, state.nb, state.free
-    live, last_was_f, pending, actions = state.live, state.last_was_f, state.pending, state.actions
-    wake = [_INF] * p  # earliest queued wake-up per rank (later entries are stale)
-    heap: list[tuple[float, int]] = []
 
-    def push(t: float, r: int) -> None:
-        if t < wake[r]:
-            wake[r] = t
-            heapq.heappush(heap, (t, r))
+@dataclass(frozen=True, slots=True)
+class _ZbvPlanner:
+    """zbv-auto's choice for a free rank ``r`` (it holds the down stage ``r`` and the up stage ``2p - 1 - r``);
+    see the module docstring for the rules."""
 
-    def latency(src: int, dst: int) -> float:
-        return 0.0 if rank_of[src] == rank_of[dst] else comm
+    fifo_ties: ClassVar[bool] = False
+    wake_idle_only: ClassVar[bool] = False
+    costs: PlanCosts
+    m: int
+    limits: tuple[float, ...]
+    dcap: tuple[int, ...]
+    """Per rank, down-stage microbatches in flight at most."""
+    ucap: tuple[int, ...]
+    """Per rank, up-stage microbatches in flight at most."""
+    rank_of: tuple[int, ...]
+    fill: str
+    alternate: bool
+    down_b_first: bool
+    strict: bool
 
-    def ready_f(s: int) -> float:
-        """When the next ``F`` of stage ``s`` has its input (inf: producer not scheduled yet)."""
-        i = nf[s]
-        return 0.0 if s == 0 else fend[s - 1][i] + latency(s - 1, s)
-
-    def ready_b(s: int) -> float:
-        i = nb[s]
-        if s == n - 1:
-            return fend[s][i]
-        return max(fend[s][i], bend[s + 1][i] + latency(s + 1, s))
-
-    for r in range(p):
-        push(0.0, r)
-    while heap:
-        now, r = heapq.heappop(heap)
-        if now != wake[r]:
-            continue
-        wake[r] = _INF
-        t = max(now, free[r])
-        down, up = r, n - 1 - r
-        room = live[r] + 1.0 <= limits[r] + _EPS
-        # Candidates as (ready time, kind, stage), in priority order within a kind.
+    def choose(self, st: PassState, r: int, t: float) -> Run | Wait:
+        nf, nb, m = st.nf, st.nb, self.m
+        down, up = r, len(self.rank_of) - 1 - r
+        room = st.live[r] + 1.0 <= self.limits[r] + _EPS
+        # Candidates as (ready time, stage), in priority order within a kind.
         fs = []
         for s in (up, down):
-            if nf[s] < m and room and nf[s] - nb[s] < (ucap[r] if s == up else dcap[r]):
-                fs.append((ready_f(s), s))
+            if nf[s] < m and room and nf[s] - nb[s] < (self.ucap[r] if s == up else self.dcap[r]):
+                fs.append((self._ready_f(st, s), s))
         bs = []
-        for s in (down, up) if down_b_first else (up, down):
+        for s in (down, up) if self.down_b_first else (up, down):
             if nb[s] < nf[s]:
-                bs.append((ready_b(s), s))
-        if strict and nb[up] + nb[down] > 0 and fs and bs:
+                bs.append((self._ready_b(st, s), s))
+        if self.strict and nb[up] + nb[down] > 0 and fs and bs:
             # A down-stage B waits for this rank's own up-stage F of the same microbatch: not due yet.
             bs = [(tr, x) for tr, x in bs if x == up or nb[down] < nf[up]]
             # After the warm-up, one B then one F, as 1F1B: wait for the kind that is due (filling with W).
-            if last_was_f[r] and bs:
+            if st.last_was_f[r] and bs:
                 fs = []
             else:
                 bs = []
         f_now = [s for tr, s in fs if tr <= t]
         b_now = [s for tr, s in bs if tr <= t]
-        if b_now and (not f_now or last_was_f[r] or not alternate):
-            kind, s = _B, b_now[0]
-        elif f_now:
-            kind, s = _F, f_now[0]
-        elif pending[r]:
+        if b_now and (not f_now or st.last_was_f[r] or not self.alternate):
+            return Run(_B, b_now[0])
+        if f_now:
+            return Run(_F, f_now[0])
+        pending = st.pending[r]
+        if pending:
             next_in = min([tr for tr, _ in fs] + [tr for tr, _ in bs], default=_INF)
             memory_bound = not room and any(nf[x] < m for x in (up, down))
-            if fill == "eager" or memory_bound or next_in >= t + wc[pending[r][0][0]] or next_in == _INF:
-                kind, s = _W, -1
-            else:
-                push(next_in, r)
-                continue
-        else:
-            known = [tr for tr, _ in fs + bs if tr < _INF]
-            if known:
-                push(min(known), r)
-            continue  # otherwise a producer's wake-up brings this rank back
-        s, end = state.run(r, kind, s, t)
-        if kind is _F:
-            consumer = s + 1 if s + 1 < n else s  # the last stage's own B needs its F
-        else:
-            consumer = s - 1 if kind is _B and s > 0 else -1
-        if len(actions[r]) < 3 * 2 * m:
-            push(end, r)
-        if consumer >= 0:
-            c = rank_of[consumer]
-            push(max(end + latency(s, consumer), free[c]), c)
+            w = self.costs.w[pending[0][0]]
+            if self.fill == "eager" or memory_bound or next_in >= t + w or next_in == _INF:
+                return Run(_W, -1)
+            return Wait(next_in, True)
+        known = [tr for tr, _ in fs + bs if tr < _INF]
+        # Without a known time, a producer's wake-up brings this rank back.
+        return Wait(min(known) if known else None, True)
 
-    if any(len(acts) != 6 * m for acts in actions):
-        return None  # stalled: every rank that could free memory waits on one that cannot
-    return Schedule(
-        name="zbv-auto", n_microbatches=m, stage_to_rank=rank_of, rank_actions=tuple(map(tuple, actions))
-    )
+    def consumer(
+        self, st: PassState, kind: ActionKind, s: int, start: float, end: float
+    ) -> tuple[int, float] | None:
+        if kind is _F:
+            c = s + 1 if s + 1 < len(self.rank_of) else s  # the last stage's own B needs its F
+        elif kind is _B and s > 0:
+            c = s - 1
+        else:
+            return None
+        r = self.rank_of[c]
+        return r, max(end + self._latency(s, c), st.free[r])
+
+    def _latency(self, src: int, dst: int) -> float:
+        return 0.0 if self.rank_of[src] == self.rank_of[dst] else self.costs.comm
+
+    def _ready_f(self, st: PassState, s: int) -> float:
+        """When the next ``F`` of stage ``s`` has its input (inf: producer not scheduled yet)."""
+        return 0.0 if s == 0 else st.fend[s - 1][st.nf[s]] + self._latency(s - 1, s)
+
+    def _ready_b(self, st: PassState, s: int) -> float:
+        i = st.nb[s]
+        if s == len(self.rank_of) - 1:
+            return st.fend[s][i]
+        return max(st.fend[s][i], st.bend[s + 1][i] + self._latency(s + 1, s))
 
 
 ZbvCandidate = Candidate
@@ -231,7 +242,8 @@ def zbv_auto_candidates(
     check_v_shape("zbv-auto", n_stages, n_microbatches)
     p, m = n_stages // 2, n_microbatches
     limits = _limits(memory_limit, p)
-    pool = CandidatePool(f, b, w, comm, limits=limits, w_memory=w_memory)
+    costs = PlanCosts.of("zbv-auto", n_stages, f=f, b=b, w=w, comm=comm, w_memory=w_memory)
+    pool = CandidatePool(costs, limits)
     search = GreedySearch(zbv_greedy, n_stages, m, pool)
     consider = pool.consider
 
@@ -267,8 +279,6 @@ def zbv_auto_candidates(
     # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W
     # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's. Only the best
     # _REFILL_BASES greedy plans: re-placing the W of a poor F/B order does not make it a good one.
-    fc, bc, wc = (stage_costs(x, n_stages, k) for x, k in ((f, "f"), (b, "b"), (w, "w")))
-    comm_f = as_cost("comm", comm)
     candidates = pool.ranked()
     bases = candidates[:_REFILL_BASES] + [c for c in candidates[_REFILL_BASES:] if c.label == "zbv"]
     for base in bases:
@@ -278,10 +288,10 @@ def zbv_auto_candidates(
         for slack, tail_only in variants:
             refilled = refill_w(
                 base.schedule,
-                fc,
-                bc,
-                wc,
-                comm_f,
+                costs.f,
+                costs.b,
+                costs.w,
+                costs.comm,
                 limits=limits,
                 w_memory=w_memory,
                 slack=slack,

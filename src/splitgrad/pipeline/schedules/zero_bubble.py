@@ -12,8 +12,8 @@ move) and use ``W`` to fill what would be bubbles in 1F1B. With equal costs ``F 
 
 from __future__ import annotations
 
-from .._perf import gc_paused
-from ..actions import ActionKind, Schedule
+from ..ir._perf import gc_paused
+from ..ir.actions import ActionKind, Schedule
 from ._common import RankProgram, check_positive_int, finish, loop_mapping
 
 __all__ = ["zb_h1", "zb_h2"]

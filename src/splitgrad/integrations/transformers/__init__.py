@@ -9,6 +9,9 @@ transformers' ``@use_experts_implementation`` decorator sets on every experts in
   ``"splitgrad"`` entry in transformers' experts registry).
 * :func:`hf_linears_to_leave`: the ``nn.Linear`` subclasses of transformers whose own ``forward`` is not a plain
   linear (routers such as ``PhimoeTopKRouter``, ``Llama4Router``), which ``convert`` leaves alone.
+* :func:`hf_pipeline_stages`: a ``*ForCausalLM`` decoder cut into pipeline stages for
+  :func:`splitgrad.pipeline.build_runtime`, each rebuilding the rotary embeddings and the causal mask
+  (:mod:`~splitgrad.integrations.transformers.pipeline_stages`).
 * :func:`unsupported_experts`: experts modules outside the decorator (Llama4, DBRX, JetMoe, LongcatFlash, ...),
   which keep their weight gradients in autograd; ``convert`` names them in a warning.
 """
@@ -20,11 +23,14 @@ import logging
 from torch import nn
 
 from .experts import SplitExperts, experts_forward, split_experts_class
+from .pipeline_stages import HFDecoderStage, hf_pipeline_stages
 
 __all__ = [
+    "HFDecoderStage",
     "SplitExperts",
     "convert_experts",
     "experts_forward",
+    "hf_pipeline_stages",
     "hf_linears_to_leave",
     "is_hf_experts",
     "is_transformers_module",

@@ -123,3 +123,82 @@ def pipeline_exact(rank: int, world: int, cases: list[tuple[str, str]]) -> list[
             raise AssertionError("full masks gave the sliding-window model's logits: the mask is not tested")
         report.append({"case": "sliding mask matters"})
     return report
+
+
+def expert_parallel_exact(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
+    """Per ``(family, mode)``: the converted model with its experts sharded by ``shard_hf_experts`` over every
+    rank (this rank's slice of the batch) against the unconverted model on the whole batch. ``mode``:
+    ``immediate``, ``delayed`` (W at ``backward_dw``) or ``in-dispatch`` (delayed, the experts' W inside the
+    backward's dispatch all-to-all)."""
+    from splitgrad.integrations.transformers import ExpertParallelExperts, shard_hf_experts
+
+    group = dist.group.WORLD
+    ids, targets = tokens()
+    local_b = ids.shape[0] // world
+    mine = slice(rank * local_b, (rank + 1) * local_b)
+    report, runs = [], {}
+    for family, mode in cases:
+        ref = tiny_model(family)
+        ref_loss = lm_loss(ref(input_ids=ids).logits, targets)
+        ref_loss.backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+        delayed = mode != "immediate"
+        model = splitgrad.convert(copy.deepcopy(ref), delay_wgrad_compute=delayed)
+        sharded = shard_hf_experts(model, group)
+        layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        for layer in layers:
+            layer.wgrad_in_dispatch = mode == "in-dispatch"
+        ce = lm_loss(model(input_ids=ids[mine]).logits, targets[mine])
+        ce.backward()
+        if delayed:
+            owed = [layer.local.wgrad_store.outstanding.total for layer in layers]
+            if (mode == "in-dispatch") != (sum(owed) == 0) or splitgrad.pending_wgrad(model) == 0:
+                raise AssertionError(f"{family}/{mode}: expert W owed after backward {owed}")
+            splitgrad.backward_dw(model)
+        if splitgrad.pending_wgrad(model):
+            raise AssertionError(f"{family}/{mode}: wgrad work left after backward_dw")
+        total = ce.detach().reshape(1)
+        dist.all_reduce(total, group=group)
+        close(total[0] / world, ref_loss.detach(), f"{family}/{mode}: loss")
+        checked, grads_here = [], {}
+        for name, p in model.named_parameters():
+            g = p.grad.clone()
+            if getattr(p, "expert_parallel", False):  # this rank's rows of the full gradient
+                layer = model.get_submodule(name.rpartition(".local.")[0])
+                full = name.replace(".local.", ".")
+                want = ref_grads[full][layer.expert_offset : layer.expert_offset + layer.local_experts]
+                checked.append(f"{full}[{layer.expert_offset // layer.local_experts}]")  # its ep rank
+            else:  # dense: the data-parallel sum
+                dist.all_reduce(g, group=group)
+                want, full = ref_grads[name], name
+                checked.append(f"{full}[{rank}]")
+            close(g / world, want, f"{family}/{mode}: {name}")
+            grads_here[name] = g
+        # Every gradient of the model checked: each dense one and each expert row block on exactly one rank.
+        check_all_checked(checked, [f"{n}[{r}]" for n in ref_grads for r in range(world)], f"{family}/{mode}")
+        runs[family, mode] = grads_here
+        # Not trivially passing: this rank's expert gradient against the other rank's rows is rejected.
+        name = next(n for n in grads_here if ".local." in n)
+        layer = model.get_submodule(name.rpartition(".local.")[0])
+        other = (layer.expert_offset + layer.local_experts) % layer.num_experts
+        try:
+            close(
+                grads_here[name] / world,
+                ref_grads[name.replace(".local.", ".")][other : other + layer.local_experts],
+                "negative",
+            )
+        except AssertionError:
+            negative = True
+        else:
+            raise AssertionError("another rank's expert gradient was accepted")
+        report.append({"case": f"{family}/{mode}", "sharded": len(sharded), "negative": negative})
+    # Deferred W (at backward_dw or inside the dispatch) is the same arithmetic as immediate: bitwise.
+    for (family, mode), got in runs.items():
+        base = runs.get((family, "immediate"))
+        if base is not None and mode != "immediate":
+            for name, g in got.items():
+                torch.testing.assert_close(
+                    g, base[name], rtol=0, atol=0, msg=lambda m, n=f"{mode}: {name}": f"{n}: {m}"
+                )
+    return report

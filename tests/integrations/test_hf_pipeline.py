@@ -22,3 +22,22 @@ def test_hf_decoder_pipeline_matches_single_process():
         assert all(r["params"] > 0 and r["w_tasks"] > 0 for r in report[: len(CASES)])
     assert all(r.get("negative") for r in reports[0][: len(CASES)])
     assert reports[0][-1]["case"] == "sliding mask matters"
+
+
+EP_CASES = [
+    ("qwen3_moe", "immediate"),
+    ("qwen3_moe", "delayed"),
+    ("qwen3_moe", "in-dispatch"),
+    ("mixtral", "delayed"),
+]
+
+
+def test_hf_experts_sharded_over_ep2_match_single_process():
+    """``shard_hf_experts``: a converted Qwen3-MoE / Mixtral with its experts over EP = 2 (splitgrad's all-to-all
+    dispatcher, the family's own converted experts on each rank's 2 of 4 experts): loss and every gradient equal
+    the unconverted single-process model on the global batch; deferred W, at ``backward_dw`` or inside the
+    dispatch all-to-all, bitwise equal to immediate."""
+    reports = spawn(hf_parallel_checks.expert_parallel_exact, 2, EP_CASES, timeout=300.0, pg_timeout=120.0)
+    for report in reports:
+        assert [r["case"] for r in report] == [f"{f}/{m}" for f, m in EP_CASES]
+        assert all(r["sharded"] == 4 and r["negative"] for r in report)  # 4 MoE layers each

@@ -12,6 +12,8 @@ transformers' ``@use_experts_implementation`` decorator sets on every experts in
 * :func:`hf_pipeline_stages`: a ``*ForCausalLM`` decoder cut into pipeline stages for
   :func:`splitgrad.pipeline.build_runtime`, each rebuilding the rotary embeddings and the causal mask
   (:mod:`~splitgrad.integrations.transformers.pipeline_stages`).
+* :func:`shard_hf_experts`: every converted experts module sharded over an expert-parallel group
+  (:class:`ExpertParallelExperts`: splitgrad's all-to-all dispatcher around this rank's experts).
 * :func:`unsupported_experts`: experts modules outside the decorator (Llama4, DBRX, JetMoe, LongcatFlash, ...),
   which keep their weight gradients in autograd; ``convert`` names them in a warning.
 """
@@ -22,18 +24,21 @@ import logging
 
 from torch import nn
 
+from .expert_parallel import ExpertParallelExperts, shard_hf_experts
 from .experts import SplitExperts, experts_forward, split_experts_class
 from .pipeline_stages import HFDecoderStage, hf_pipeline_stages
 
 __all__ = [
+    "ExpertParallelExperts",
     "HFDecoderStage",
     "SplitExperts",
     "convert_experts",
     "experts_forward",
-    "hf_pipeline_stages",
     "hf_linears_to_leave",
+    "hf_pipeline_stages",
     "is_hf_experts",
     "is_transformers_module",
+    "shard_hf_experts",
     "split_experts_class",
     "unsupported_experts",
 ]

@@ -128,9 +128,13 @@ def pipeline_exact(rank: int, world: int, cases: list[tuple[str, str]]) -> list[
 def expert_parallel_exact(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
     """Per ``(family, mode)``: the converted model with its experts sharded by ``shard_hf_experts`` over every
     rank (this rank's slice of the batch) against the unconverted model on the whole batch. ``mode``:
-    ``immediate``, ``delayed`` (W at ``backward_dw``) or ``in-dispatch`` (delayed, the experts' W inside the
-    backward's dispatch all-to-all)."""
+    ``immediate``, ``delayed`` (W at ``backward_dw``), ``in-dispatch`` (delayed, the experts' W inside the
+    backward's dispatch all-to-all) or ``edp`` (in-dispatch, the gradients averaged by ``ExpertDataParallel``, as
+    examples/hf_moe.py trains)."""
     from splitgrad.integrations.transformers import ExpertParallelExperts, shard_hf_experts
+    from splitgrad.parallel.expert import ExpertDataParallel
+
+    singles = [dist.new_group([r]) for r in range(world)]  # expert-DP groups: each rank holds its own experts
 
     group = dist.group.WORLD
     ids, targets = tokens()
@@ -148,14 +152,20 @@ def expert_parallel_exact(rank: int, world: int, cases: list[tuple[str, str]]) -
         sharded = shard_hf_experts(model, group)
         layers = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
         for layer in layers:
-            layer.wgrad_in_dispatch = mode == "in-dispatch"
-        ce = lm_loss(model(input_ids=ids[mine]).logits, targets[mine])
+            layer.wgrad_in_dispatch = mode in ("in-dispatch", "edp")
+        edp = None
+        if mode == "edp":
+            edp = ExpertDataParallel(model, dp_group=group, expert_dp_group=singles[rank])
+            edp.zero_grad_buffer()
+        ce = lm_loss((edp or model)(input_ids=ids[mine]).logits, targets[mine])
         ce.backward()
         if delayed:
             owed = [layer.local.wgrad_store.outstanding.total for layer in layers]
-            if (mode == "in-dispatch") != (sum(owed) == 0) or splitgrad.pending_wgrad(model) == 0:
+            if (mode in ("in-dispatch", "edp")) != (sum(owed) == 0) or splitgrad.pending_wgrad(model) == 0:
                 raise AssertionError(f"{family}/{mode}: expert W owed after backward {owed}")
-            splitgrad.backward_dw(model)
+            splitgrad.backward_dw(edp or model)
+        if edp is not None:
+            edp.finish_grad_sync()
         if splitgrad.pending_wgrad(model):
             raise AssertionError(f"{family}/{mode}: wgrad work left after backward_dw")
         total = ce.detach().reshape(1)
@@ -163,14 +173,15 @@ def expert_parallel_exact(rank: int, world: int, cases: list[tuple[str, str]]) -
         close(total[0] / world, ref_loss.detach(), f"{family}/{mode}: loss")
         checked, grads_here = [], {}
         for name, p in model.named_parameters():
-            g = p.grad.clone()
+            g = p.grad.clone() if edp is None else p.main_grad * world  # the wrapper's data-parallel average
             if getattr(p, "expert_parallel", False):  # this rank's rows of the full gradient
                 layer = model.get_submodule(name.rpartition(".local.")[0])
                 full = name.replace(".local.", ".")
                 want = ref_grads[full][layer.expert_offset : layer.expert_offset + layer.local_experts]
                 checked.append(f"{full}[{layer.expert_offset // layer.local_experts}]")  # its ep rank
             else:  # dense: the data-parallel sum
-                dist.all_reduce(g, group=group)
+                if edp is None:
+                    dist.all_reduce(g, group=group)
                 want, full = ref_grads[name], name
                 checked.append(f"{full}[{rank}]")
             close(g / world, want, f"{family}/{mode}: {name}")
@@ -193,10 +204,12 @@ def expert_parallel_exact(rank: int, world: int, cases: list[tuple[str, str]]) -
         else:
             raise AssertionError("another rank's expert gradient was accepted")
         report.append({"case": f"{family}/{mode}", "sharded": len(sharded), "negative": negative})
+        if edp is not None:
+            edp.close()
     # Deferred W (at backward_dw or inside the dispatch) is the same arithmetic as immediate: bitwise.
     for (family, mode), got in runs.items():
         base = runs.get((family, "immediate"))
-        if base is not None and mode != "immediate":
+        if base is not None and mode in ("delayed", "in-dispatch"):
             for name, g in got.items():
                 torch.testing.assert_close(
                     g, base[name], rtol=0, atol=0, msg=lambda m, n=f"{mode}: {name}": f"{n}: {m}"

@@ -36,7 +36,8 @@ def test_hf_experts_sharded_over_ep2_match_single_process():
     """``shard_hf_experts``: a converted Qwen3-MoE / Mixtral with its experts over EP = 2 (splitgrad's all-to-all
     dispatcher, the family's own converted experts on each rank's 2 of 4 experts): loss and every gradient equal
     the unconverted single-process model on the global batch; deferred W, at ``backward_dw`` or inside the
-    dispatch all-to-all, bitwise equal to immediate."""
+    dispatch all-to-all, bitwise equal to immediate; Mixtral trained as examples/hf_moe.py does (expert W inside the
+    dispatch, ``ExpertDataParallel`` averaging the dense gradients)."""
     reports = spawn(hf_parallel_checks.expert_parallel_exact, 2, EP_CASES, timeout=300.0, pg_timeout=120.0)
     for report in reports:
         assert [r["case"] for r in report] == [f"{f}/{m}" for f, m in EP_CASES]

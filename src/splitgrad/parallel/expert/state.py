@@ -23,8 +23,9 @@ def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) 
     Dense entries are copied as they are; expert ``j`` of an :class:`ExpertParallelMoEMLP` takes entry
     ``fcX.weight{expert_offset + j}`` of the full layer; with ``moe_single_grouped_weight`` its one ``fcX.weight``
     ``(local_experts, out, in)`` takes rows ``[expert_offset, expert_offset + local_experts)`` of the full
-    layer's (biases alike). Both models must use the same layout (``convert_grouped_state_dict`` converts a
-    checkpoint). Strict: every entry of ``model`` must be found.
+    layer's (biases alike). Both models must use the same layout (a checkpoint of the other one converts with
+    ``splitgrad.functional.grouped_layout.convert_grouped_state_dict``). Strict: every entry of ``model`` must
+    be found.
 
     Args:
         model: the expert-parallel model (e.g. ``MoEGPT(config, ep_group=...)``).

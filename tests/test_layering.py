@@ -27,7 +27,7 @@ LAYERS = {
     "parallel": 5,
     "graphs": 5,
     "pipeline": 6,
-    "integrations": 7,  # other people's code (transformers' experts, ...), each imported lazily
+    "integrations": 7,  # other people's code (transformers' experts, torchtitan, ...), each imported lazily
     "convert": 7,  # nn.Linear -> splitgrad.Linear and HF experts: built on module/ and integrations/
     "testing": 8,  # test doubles and references: may use anything below the CLI; the library never imports it
     "cli": 9,

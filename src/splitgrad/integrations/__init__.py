@@ -2,6 +2,8 @@
 
 * :mod:`splitgrad.integrations.transformers`: HuggingFace transformers v5 MoE experts (the modules its
   ``@use_experts_implementation`` decorator dispatches), converted by :func:`splitgrad.convert`.
+* :mod:`splitgrad.integrations.torchtitan`: torchtitan's models split with its own pipeline helpers, with
+  splitgrad layers and ``splitgrad_pipeline_stage`` stages (its zero-bubble and CSV schedule recipes).
 
 Importing ``splitgrad.integrations`` imports none of the integrated packages.
 """

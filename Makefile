@@ -4,21 +4,27 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The tests also need the frameworks the integrations are tested against (the demo does not): installed --no-deps
+# so that none of them replaces the pinned torch (requirements-frameworks.txt says what each import needs).
+FRAMEWORKS := $(VENV)/.frameworks
 
 .PHONY: demo test test-matrix lint format bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt requirements-torchtitan.txt requirements-megatron.txt requirements-dualpipe.txt
+$(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt -r requirements-megatron.txt -r requirements-dualpipe.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
+
+$(FRAMEWORKS): $(STAMP) requirements-frameworks.txt
+	$(PY) -m pip install -q --no-deps -r requirements-frameworks.txt
+	touch $(FRAMEWORKS)
 
 demo: $(STAMP)
 	$(PY) -m splitgrad demo
 
-test: $(STAMP)
+test: $(FRAMEWORKS)
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m pytest -q
@@ -29,7 +35,7 @@ test: $(STAMP)
 # order, never two kernels that happen to round alike on one CPU. About three times `make test`.
 KERNEL_VARIANT := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MKL_CBWR=COMPATIBLE
 
-test-matrix: $(STAMP)
+test-matrix: $(FRAMEWORKS)
 	$(PY) -m pytest -q
 	$(KERNEL_VARIANT) $(PY) -m pytest -q
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

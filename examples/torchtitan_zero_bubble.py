@@ -1,6 +1,6 @@
 """torchtitan's zero-bubble pipeline recipe (ZBVZeroBubble) with splitgrad layers, on 2 gloo ranks.
 
-Run: ``torchrun --nproc-per-node 2 examples/torchtitan_zero_bubble.py`` (needs ``requirements-torchtitan.txt``).
+Run: ``torchrun --nproc-per-node 2 examples/torchtitan_zero_bubble.py`` (needs ``requirements-frameworks.txt``).
 
 torchtitan's own split (stage FQNs, one pruned copy per stage, the V stage-to-rank placement) and its schedule
 builder; splitgrad contributes the linears (their weight gradient parked for the schedule's ``W``) and the stage

@@ -55,12 +55,15 @@ def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def fused_weights(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters that need ``main_grad`` when fused: the 2-D ``get_backward_dw_params()`` of every
-    split-capable submodule of ``module`` (``module`` included), frozen ones left out, each once."""
+    """The parameters that need ``main_grad`` when fused: the weight matrices among the
+    ``get_backward_dw_params()`` of every split-capable submodule of ``module`` (``module`` included) — 2-D
+    weights and 3-D grouped weights ``(groups, out, in)``, not biases (a grouped bias ``(groups, out)`` is 2-D
+    too, hence the name test) — frozen ones left out, each once."""
     seen: dict[int, nn.Parameter] = {}
     for _, m in splitgrad.split_modules(module):
+        names = {id(p): n.rsplit(".", 1)[-1] for n, p in m.named_parameters()}
         for p in m.get_backward_dw_params():
-            if p.dim() == 2:
+            if p.dim() >= 2 and "bias" not in names.get(id(p), ""):
                 seen.setdefault(id(p), p)
     return list(seen.values())
 
@@ -82,7 +85,7 @@ def attach_main_grad(
         seed: seeds the random contents.
 
     Returns:
-        The parameters that got a buffer (``(out, in)``-shaped buffers, same shape as the weight).
+        The parameters that got a buffer (each buffer shaped as its weight).
     """
     gen = torch.Generator().manual_seed(seed)
     params = fused_weights(module)

@@ -23,12 +23,12 @@ LAYERS = {
     "distributed": 2,  # process-group plumbing: group references, TP collectives, launch, teardown, waits
     "module": 3,
     "ops": 3,
-    "convert": 3,  # torch.nn.Linear -> splitgrad.Linear: built on module/
     "models": 4,  # the demo models: parallel/ builds its expert-parallel twins from their parts
     "parallel": 5,
     "graphs": 5,
     "pipeline": 6,
-    "integrations": 7,  # other people's frameworks (torchtitan, Megatron-Core, DualPipe, ...), each imported lazily
+    "integrations": 7,  # other people's frameworks (transformers, torchtitan, Megatron-Core, DualPipe), lazily
+    "convert": 7,  # nn.Linear -> splitgrad.Linear and HF experts: built on module/ and integrations/
     "testing": 8,  # test doubles and references: may use anything below the CLI; the library never imports it
     "cli": 9,
     "__main__": 9,
@@ -221,6 +221,11 @@ def test_no_import_cycles_between_packages():
         ),
         (("splitgrad.models.gpt", "splitgrad"), "package facade"),
         (("splitgrad.graphs.api", "splitgrad.pipeline.runtime"), "higher layer 'pipeline'"),
+        (
+            ("splitgrad.pipeline.runtime", "splitgrad.integrations.transformers"),
+            "higher layer 'integrations'",
+        ),
+        (("splitgrad.integrations.transformers.experts", "splitgrad.cli.demo"), "higher layer 'cli'"),
         (("splitgrad.functional.wgrad", "splitgrad.distributed.group_ref"), "higher layer 'distributed'"),
         (("splitgrad.distributed.tp_comm", "splitgrad.module.linear"), "higher layer 'module'"),
         (("splitgrad.models.moe", "splitgrad.parallel.expert.layer"), "higher layer 'parallel'"),

@@ -44,6 +44,7 @@ if _dist.is_available() and not _dist.is_initialized():
 if TYPE_CHECKING:  # type checkers and IDEs see the lazy names below as ordinary imports
     # Subpackages, loaded on first attribute access (the redundant aliases mark them as re-exports).
     from . import graphs as graphs
+    from . import integrations as integrations
     from . import models as models
     from . import ops as ops
     from . import parallel as parallel
@@ -56,7 +57,7 @@ __version__ = "0.1.0"
 # Subpackages load on first use, so `import splitgrad` stays light: only the core and the modules load, and
 # none of the subpackages (tests/core/test_lazy_imports.py checks it in a fresh interpreter). torch itself
 # imports torch.distributed and numpy (when installed), so those cannot be avoided here.
-_SUBPACKAGES = ("graphs", "models", "ops", "parallel", "pipeline", "testing")
+_SUBPACKAGES = ("graphs", "integrations", "models", "ops", "parallel", "pipeline", "testing")
 # Top-level names that live in a subpackage, resolved (and cached) on first access.
 _LAZY_NAMES = {
     "GraphCaptureError": "graphs",

@@ -110,8 +110,12 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def _grouped(splits: list[int], p: Params, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Either layout: per-group weight{g}/bias{g}, or one 3-D weight / 2-D bias indexed by group.
+    def part(name: str, g: int) -> torch.Tensor | None:
+        return p[name][g] if name in p else p.get(f"{name}{g}")
+
     x2 = x.reshape(-1, x.shape[-1])
-    outs = [_linear(xg, p[f"weight{g}"], p.get(f"bias{g}")) for g, xg in enumerate(x2.split(splits))]
+    outs = [_linear(xg, part("weight", g), part("bias", g)) for g, xg in enumerate(x2.split(splits))]
     return (torch.cat(outs).view(*x.shape[:-1], -1),)
 
 
@@ -176,6 +180,29 @@ def _grouped_call(subject: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (subject(x, SPLITS),)
 
 
+_SINGLE = {"single_grouped_weight": True, "single_grouped_bias": True}
+
+
+def _grouped_case(
+    name: str,
+    make: Callable[[bool, bool, torch.dtype], nn.Module],
+    *,
+    frozen: tuple[str, ...],
+    notes: str = "",
+) -> Case:
+    """A grouped linear (either class, either layout) called on ``(10, 8)`` rows split by :data:`SPLITS`."""
+    reference = functools.partial(_grouped, SPLITS)
+    return Case(
+        name=name,
+        make=make,
+        x_shape=(10, 8),
+        call=_grouped_call,
+        reference=reference,
+        frozen=frozen,
+        notes=notes,
+    )
+
+
 def _ops_mlp(delay: bool, fuse: bool, dtype: torch.dtype) -> nn.Module:
     kw = _op_kw(delay, fuse, dtype)
     return ops.Sequential(
@@ -231,12 +258,9 @@ CASES: list[Case] = [
         reference=_ln_mlp_ref,
         frozen=("fc1_weight", "layer_norm_bias"),
     ),
-    Case(
-        name="GroupedLinear",
-        make=lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, **_module_kw(d, f, t)),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "GroupedLinear",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, **_module_kw(d, f, t)),
         frozen=("weight1", "bias1"),
     ),
     Case(
@@ -253,13 +277,27 @@ CASES: list[Case] = [
         reference=lambda p, x: (_linear(x, p["weight"], p["bias"]),),
         frozen=("bias",),
     ),
-    Case(
-        name="ops.GroupedLinear",
-        make=lambda d, f, t: ops.GroupedLinear(3, 8, 5, **_op_kw(d, f, t)),
-        x_shape=(10, 8),
-        call=_grouped_call,
-        reference=functools.partial(_grouped, SPLITS),
+    _grouped_case(
+        "GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 8, **_SINGLE, **_module_kw(d, f, t)),
+        frozen=("bias",),
+        notes="8 features: float32 runs torch's grouped_mm (16-byte strides), float64 the per-group loop",
+    ),
+    _grouped_case(
+        "GroupedLinear(single_grouped_weight, per-group biases)",
+        lambda d, f, t: splitgrad.GroupedLinear(3, 8, 5, single_grouped_weight=True, **_module_kw(d, f, t)),
+        frozen=("weight",),
+        notes="5 output features: float32 takes the loop too (20-byte rows)",
+    ),
+    _grouped_case(
+        "ops.GroupedLinear",
+        lambda d, f, t: ops.GroupedLinear(3, 8, 5, **_op_kw(d, f, t)),
         frozen=("weight1",),
+    ),
+    _grouped_case(
+        "ops.GroupedLinear(single_grouped_weight, single_grouped_bias)",
+        lambda d, f, t: ops.GroupedLinear(3, 8, 8, **_SINGLE, **_op_kw(d, f, t)),
+        frozen=("bias",),
     ),
     Case(
         name="ops.Sequential",

@@ -17,7 +17,7 @@ import pytest
 
 import splitgrad
 
-SUBPACKAGES = ("graphs", "models", "ops", "parallel", "pipeline", "testing")
+SUBPACKAGES = ("graphs", "integrations", "models", "ops", "parallel", "pipeline", "testing")
 _SRC = str(Path(splitgrad.__file__).resolve().parents[1])  # the splitgrad under test, not an installed one
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import splitgrad
-from splitgrad.models import MoEGPT, lm_loss, moe_aux_loss, moe_layers
+from splitgrad.models import MoEGPT, MoEMLP, lm_loss, moe_aux_loss, moe_layers
 from splitgrad.parallel.expert import (
     ExpertDataParallel,
     ExpertParallelMoEGPT,
@@ -58,6 +58,32 @@ def full_name(model, name: str) -> str:
     return name
 
 
+def split_grouped(named: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """``named`` (tensors by parameter name of ``model``) with every single grouped expert tensor
+    (``moe_single_grouped_weight``: ``fcX.weight`` ``(experts, out, in)``, ``fcX.bias`` ``(experts, out)``) split
+    into the per-expert entries ``fcX.weight0 ..`` of the other layout (views), so that both layouts compare
+    expert by expert under the same names (:func:`full_name` then maps an expert-parallel name to the full one)."""
+    grouped = {
+        f"{prefix}.{fc}.{part}"
+        for prefix, m in model.named_modules()
+        if isinstance(m, (MoEMLP, ExpertParallelMoEMLP)) and m.fc1.single_grouped_weight
+        for fc in ("fc1", "fc2")
+        for part in ("weight", "bias")
+    }
+    out = {}
+    for name, t in named.items():
+        if name in grouped:
+            out.update({f"{name}{j}": row for j, row in enumerate(t.unbind(0))})
+        else:
+            out[name] = t
+    return out
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether ``name`` is an expert tensor of an MoE GPT (its MoE layers are ``blocks.i.mlp``)."""
+    return ".mlp.fc" in name
+
+
 def close(a, b, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
@@ -72,7 +98,7 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
         ids, targets = batch(config, batch_size=world * local_b, seq=seq)
         ref_ce, ref_inputs = run_model(ref, ids, targets, delayed=False)
         ref_total = ref_ce + moe_aux_loss(ref)
-        ref_grads = grads(ref)
+        ref_grads = split_grouped(grads(ref), ref)
         mine = slice(rank * local_b, (rank + 1) * local_b)
 
         results = {}
@@ -81,10 +107,11 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
                 moe_config(**overrides, delay_wgrad_compute=delayed), ep_group=group, experts=experts
             )
             remapped = load_full_state_dict(ep, ref.state_dict())
-            if remapped != 2 * config.num_layers * (1 + config.bias) * config.num_experts // world:
+            per_layer = 1 if config.moe_single_grouped_weight else config.num_experts // world
+            if remapped != 2 * config.num_layers * (1 + config.bias) * per_layer:
                 raise AssertionError(f"{remapped=} expert tensors remapped")
             ce, inputs = run_model(ep, ids[mine], targets[mine], delayed=delayed)
-            results[delayed] = grads(ep)
+            results[delayed] = split_grouped(grads(ep), ep)
             total = (ce + moe_aux_loss(ep)).reshape(1)
             dist.all_reduce(total, group=group)
             close(total[0] / world, ref_total, "loss")
@@ -92,7 +119,7 @@ def exactness(rank: int, world: int, cases: list[tuple[dict, int, int, str]]) ->
                 close(g / world, r[mine], f"input gradient of block {i}")
             for name, g in results[delayed].items():
                 g = g.clone()
-                if not getattr(dict(ep.named_parameters())[name], "expert_parallel", False):
+                if not is_expert_name(name):
                     dist.all_reduce(g, group=group)  # dense: the data-parallel sum
                 close(g / world, ref_grads[full_name(ep, name)], name)
             for layer in moe_layers(ep):
@@ -188,13 +215,17 @@ def ep_groups(rank: int, world: int, ep: int):
 
 
 def hook_reduction(
-    rank: int, world: int, ep: int, cases: list[tuple[dict, int, int, str, str]], overlap_experts: tuple = ()
+    rank: int,
+    world: int,
+    ep: int,
+    cases: list[tuple[dict, int, int, str, str]],
+    overlap_experts: tuple[tuple[str, dict], ...] = (),
 ) -> list[dict]:
     """EP x expert-DP with :class:`ExpertDataParallel` against the single-process reference.
 
     Per case ``(config overrides, local batch, seq, experts kind, mode)``, mode one of ``immediate``,
-    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation). Then, per ``overlap_experts`` kind, the same
-    groups with two microbatches in the overlapped order (``overlap_dp_checks``; one spawn for both).
+    ``delayed``, ``fused`` (delayed + fuse_wgrad_accumulation). Then, per ``overlap_experts``
+    ``(experts kind, config overrides)``, the same groups with two microbatches in the overlapped order (``overlap_dp_checks``; one spawn for both).
     """
     ep_group, edp_group = ep_groups(rank, world, ep)
     report = []
@@ -204,7 +235,7 @@ def hook_reduction(
         ids, targets = batch(config, batch_size=world * local_b, seq=seq)
         ref_ce, _ = run_model(ref, ids, targets, delayed=False)
         ref_total = ref_ce + moe_aux_loss(ref)
-        ref_grads = grads(ref)
+        ref_grads = split_grouped(grads(ref), ref)
         mine = slice(rank * local_b, (rank + 1) * local_b)
 
         split = {"delay_wgrad_compute": mode != "immediate", "fuse_wgrad_accumulation": mode == "fused"}
@@ -223,16 +254,17 @@ def hook_reduction(
         total = (ce.detach() + moe_aux_loss(model)).reshape(1)
         dist.all_reduce(total)
         close(total[0] / world, ref_total, "loss")
-        for name, p in model.named_parameters():
-            close(p.main_grad, ref_grads[full_name(model, name)], f"{mode}/{experts}: {name}")
+        main_grads = split_grouped({name: p.main_grad for name, p in model.named_parameters()}, model)
+        for name, g in main_grads.items():
+            close(g, ref_grads[full_name(model, name)], f"{mode}/{experts}: {name}")
         # Every bucket of both groups was started by a hook (backward / backward_dw), none by finish_grad_sync.
         buckets = [len(ddp.buckets) for ddp in (edp.dense, edp.expert)]
         if launched_before_finish != buckets or min(buckets) < 2:
             raise AssertionError(f"{mode}: buckets launched early {launched_before_finish} of {buckets}")
         # Not trivially passing: the expert gradient averaged over the expert-DP group only is rejected.
-        wrong = model.blocks[0].mlp.fc1.weight0
+        wrong = main_grads["blocks.0.mlp.fc1.weight0"]
         try:
-            close(wrong.main_grad * ep, ref_grads[full_name(model, "blocks.0.mlp.fc1.weight0")], "negative")
+            close(wrong * ep, ref_grads[full_name(model, "blocks.0.mlp.fc1.weight0")], "negative")
         except AssertionError:
             pass
         else:
@@ -241,11 +273,11 @@ def hook_reduction(
         report.append({"mode": mode, "buckets": buckets})
     from tests.expert.overlap_dp_checks import overlap_with_expert_dp
 
-    for experts in overlap_experts:
+    for experts, overrides in overlap_experts:
         report.append(
             {
-                "mode": f"overlapped/{experts}",
-                **overlap_with_expert_dp(rank, world, ep, ep_group, edp_group, experts),
+                "mode": f"overlapped/{experts}" + ("/single" if overrides else ""),
+                **overlap_with_expert_dp(rank, world, ep, ep_group, edp_group, experts, overrides),
             }
         )
     return report
@@ -258,7 +290,7 @@ def wrap_expert_dp(model, edp_group) -> ExpertDataParallel:
     )
 
 
-def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list[str]:
+def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str, dict]]) -> list[str]:
     """Two microbatches: ``F0 B0 F1 B1`` vs ``F0 (F1 || B0) B1`` (one thread, forward and backward on one group):
     losses and gradients bitwise equal; the pair really interleaves, in the same issue order on every rank;
     either part's error is named and leaves no exchange unwaited."""
@@ -266,17 +298,27 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
 
     ep_group = dist.new_group(list(range(world)))
     config = moe_config()
-    ref = build(MoEGPT, config)
+    refs = {}
+
+    def ref_for(overrides: dict) -> MoEGPT:
+        key = tuple(sorted(overrides.items()))
+        if key not in refs:
+            refs[key] = build(MoEGPT, moe_config(**overrides))
+        return refs[key]
+
     ids, targets = batch(config, batch_size=4 * world, seq=8)
     local = ids.view(world, 2, 2, -1)[rank], targets.view(world, 2, 2, -1)[rank]  # (microbatch, 2, seq)
     out = []
-    for delay, experts in modes:
+    for delay, experts, overrides in modes:
+        single = overrides.get("moe_single_grouped_weight", False)
         runs = []
         for overlapped in (False, True):
             model = ExpertParallelMoEGPT(
-                moe_config(delay_wgrad_compute=delay == "delayed"), ep_group=ep_group, experts=experts
+                moe_config(**overrides, delay_wgrad_compute=delay == "delayed"),
+                ep_group=ep_group,
+                experts=experts,
             )
-            load_full_state_dict(model, ref.state_dict())
+            load_full_state_dict(model, ref_for(overrides).state_dict())
             watch = _ExpertWatch(model)
             loss0 = lm_loss(model(local[0][0]), local[1][0])
             before_pair = len(watch.comm)
@@ -319,9 +361,9 @@ def overlap_bitwise(rank: int, world: int, modes: list[tuple[str, str]]) -> list
             torch.testing.assert_close(gb[name], ga[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         if delay == "delayed":  # microbatch 1's expert W was added to what ran inside the dispatch: not lost
             first = watch.snapshot
-            if torch.equal(first, gb["blocks.0.mlp.fc1.weight0"]):
+            if torch.equal(first, gb["blocks.0.mlp.fc1.weight" + ("" if single else "0")]):
                 raise AssertionError("the expert gradient after the step equals microbatch 0's alone")
-        out.append(f"{delay}/{experts}")
+        out.append(f"{delay}/{experts}" + ("/single" if single else ""))
     out.append(pair_errors(ExpertParallelMoEGPT(config, ep_group=ep_group), local[0]))
     return out
 
@@ -478,7 +520,7 @@ class _ExpertWatch:
         for _, ws, we in self.wlog:
             if not any(ds <= ws and we <= de for ds, de in dispatches):
                 raise AssertionError(f"expert W [{ws}, {we}] not inside a dispatch backward {dispatches}")
-        self.snapshot = self.layers[0].fc1.weight0.grad.clone()
+        self.snapshot = self.layers[0].fc1.grouped_params().weights[0].grad.clone()
 
     def after_step(self, *, delayed: bool, overlapped: bool) -> None:
         if splitgrad.pending_wgrad(self.model):

@@ -22,7 +22,7 @@ from splitgrad.parallel.expert import (
     load_full_state_dict,
     overlapped_forward_backward,
 )
-from tests.expert.ep_checks import close, full_name, wrap_expert_dp
+from tests.expert.ep_checks import close, full_name, split_grouped, wrap_expert_dp
 from tests.helpers import grads
 from tests.models.helpers import batch, build, moe_config
 
@@ -33,10 +33,19 @@ def _launched(edp: ExpertDataParallel) -> list[tuple[str, int]]:
 
 
 def overlap_with_expert_dp(
-    rank: int, world: int, ep: int, ep_group, edp_group, experts: str, local_b: int = 1, seq: int = 8
+    rank: int,
+    world: int,
+    ep: int,
+    ep_group,
+    edp_group,
+    experts: str,
+    overrides: dict,
+    local_b: int = 1,
+    seq: int = 8,
 ) -> dict:
-    """Overlapped vs in-order two-microbatch step under ExpertDataParallel; returns a small report."""
-    config = moe_config()
+    """Overlapped vs in-order two-microbatch step under ExpertDataParallel (model ``moe_config(**overrides)``);
+    returns a small report."""
+    config = moe_config(**overrides)
     ref = build(MoEGPT, config)
     ids, targets = batch(config, batch_size=2 * world * local_b, seq=seq)
     per_mb = world * local_b
@@ -45,13 +54,13 @@ def overlap_with_expert_dp(
         lm_loss(
             ref(ids[mb * per_mb : (mb + 1) * per_mb]), targets[mb * per_mb : (mb + 1) * per_mb]
         ).backward()
-    ref_grads = grads(ref)
+    ref_grads = split_grouped(grads(ref), ref)
     mine = [slice(mb * per_mb + rank * local_b, mb * per_mb + (rank + 1) * local_b) for mb in range(2)]
 
     runs, report = {}, {}
     for overlapped in (False, True):
         model = ExpertParallelMoEGPT(
-            moe_config(delay_wgrad_compute=True),
+            moe_config(**overrides, delay_wgrad_compute=True),
             ep_group=ep_group,
             dp_group=dist.group.WORLD,
             experts=experts,
@@ -105,7 +114,9 @@ def overlap_with_expert_dp(
             raise AssertionError(f"{overlapped=}: launches {before_finish}, expected each of {want} once")
         if splitgrad.pending_wgrad(model):
             raise AssertionError("wgrad work left after the step")
-        runs[overlapped] = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+        runs[overlapped] = split_grouped(
+            {name: p.main_grad.clone() for name, p in model.named_parameters()}, model
+        )
         for name, g in runs[overlapped].items():
             close(g, ref_grads[full_name(model, name)], f"{overlapped=} {experts}: {name}")
         edp.close()
@@ -115,7 +126,7 @@ def overlap_with_expert_dp(
     # Not trivially passing: the reference of microbatch 1 alone (microbatch 0's gradients lost) is rejected.
     ref1 = build(MoEGPT, config)
     lm_loss(ref1(ids[per_mb:]), targets[per_mb:]).backward()
-    lost = grads(ref1)
+    lost = split_grouped(grads(ref1), ref1)
     try:
         for name, g in runs[True].items():
             close(g, lost[full_name(model, name)], "negative")

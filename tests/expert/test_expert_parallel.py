@@ -26,6 +26,9 @@ CASES_2 = [
     # The benchmarks' forced balance: 2 x 8 tokens x top-2 per rank divides by 4 experts.
     ({"router_force_load_balancing": True}, 2, 8, "module"),
     ({"num_experts": 8, "top_k": 1}, 1, 3, "module"),
+    # One grouped weight (and bias) per expert GEMM: this rank's rows of the full tensors, W in the dispatch.
+    ({"moe_single_grouped_weight": True}, 2, 8, "module"),
+    ({"moe_single_grouped_weight": True, "activation": "swiglu"}, 1, 8, "ops"),
 ]
 CASES_3 = [
     ({"num_experts": 6}, 1, 8, "module"),
@@ -37,7 +40,7 @@ CASES_3 = [
 def test_expert_parallel_matches_single_process(world, cases):
     reports = spawn(ep_checks.exactness, world, cases, timeout=240.0, pg_timeout=120.0)
     # The idle-expert cases really had experts without tokens.
-    assert reports[0][-1]["idle_experts"] > 0
+    assert reports[0][3 if world == 2 else -1]["idle_experts"] > 0
     if world == 2:  # the forced-balance case: every expert got the same global count (2 ranks x 32 / 4)
         assert reports[0][2]["per_expert"] == [[16, 16, 16, 16]] * 2
     # The negative check (a wrong expert's gradient is rejected) ran on every rank.
@@ -62,21 +65,26 @@ def test_hook_driven_reduction_ep2_x_expert_dp2():
         ({}, 1, 8, "module", "delayed"),
         ({"bias": False}, 1, 8, "ops", "fused"),
         ({"num_experts": 8, "top_k": 1}, 1, 4, "ops", "delayed"),
+        # One grouped weight: its fused 3-D main_grad in the expert buckets.
+        ({"moe_single_grouped_weight": True}, 1, 8, "module", "fused"),
     ]
-    reports = spawn(ep_checks.hook_reduction, 4, 2, cases, ("module",), timeout=300.0, pg_timeout=150.0)
+    overlap = (("module", {}), ("ops", {"moe_single_grouped_weight": True}))
+    reports = spawn(ep_checks.hook_reduction, 4, 2, cases, overlap, timeout=300.0, pg_timeout=150.0)
     assert [case["mode"] for case in reports[0]] == [
         "immediate",
         "delayed",
         "fused",
         "delayed",
+        "fused",
         "overlapped/module",
+        "overlapped/ops/single",
     ]
     for report in reports:
-        overlapped = report[-1]
-        assert overlapped["negative"] and overlapped["bare_model_refused"]
-        assert overlapped[True]["buckets"] == overlapped[False]["buckets"] >= 4
-        # The pair's backward really fired wgrad hooks (expert W inside the dispatch all-to-all), on this thread.
-        assert overlapped[True]["hook_threads"] == ["MainThread"]
+        for overlapped in report[-2:]:
+            assert overlapped["negative"] and overlapped["bare_model_refused"]
+            assert overlapped[True]["buckets"] == overlapped[False]["buckets"] >= 4
+            # The pair's backward really fired wgrad hooks (expert W inside the dispatch all-to-all), here.
+            assert overlapped[True]["hook_threads"] == ["MainThread"]
 
 
 def test_overlapped_forward_backward_is_bitwise_sequential():
@@ -87,8 +95,14 @@ def test_overlapped_forward_backward_is_bitwise_sequential():
     (checked by the order of the logged events), the dense W stays deferred, nothing is left owed, and every
     expert module's wgrad hooks fire exactly once per microbatch.
     """
-    modes = [("immediate", "module"), ("delayed", "module"), ("delayed", "ops")]
+    single = {"moe_single_grouped_weight": True}
+    modes = [
+        ("immediate", "module", {}),
+        ("delayed", "module", {}),
+        ("delayed", "ops", {}),
+        ("delayed", "module", single),
+    ]
     reports = spawn(ep_checks.overlap_bitwise, 2, modes, timeout=240.0, pg_timeout=120.0)
     for report in reports:
-        assert report[:3] == ["immediate/module", "delayed/module", "delayed/ops"]
-        assert report[3] == "errors named"
+        assert report[:4] == ["immediate/module", "delayed/module", "delayed/ops", "delayed/module/single"]
+        assert report[4] == "errors named"

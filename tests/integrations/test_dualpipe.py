@@ -1,4 +1,4 @@
-"""splitgrad layers in DeepSeek's DualPipe (the real ``dualpipe`` package, pinned in requirements-dualpipe.txt).
+"""splitgrad layers in DeepSeek's DualPipe (the real ``dualpipe`` package, pinned in requirements-frameworks.txt).
 
 Why: DualPipe's zero-bubble steps expect layers to ``put`` their weight-gradient closures into its
 ``WeightGradStore``; :mod:`splitgrad.integrations.dualpipe` makes splitgrad layers do that. The package's own

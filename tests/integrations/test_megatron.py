@@ -1,4 +1,4 @@
-"""splitgrad layers inside Megatron-Core (the real ``megatron-core`` package, pinned in requirements-megatron.txt).
+"""splitgrad layers inside Megatron-Core (the real ``megatron-core`` package, pinned in requirements-frameworks.txt).
 
 Why: Megatron-Core's ``DistributedDataParallel`` is what most users wrap TE-style layers in. Its hook asserts a
 ``.grad`` under ``overlap_grad_reduce=True`` and skips its own add when ``grad_added_to_main_grad``, so a fused

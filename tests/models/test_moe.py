@@ -24,6 +24,8 @@ VARIANTS = {
     "idle-experts": ({"num_experts": 8, "top_k": 1}, (1, 4)),
     # The benchmark switch: round-robin experts, learned weights (and aux loss) still differentiated.
     "forced-balance": ({"router_force_load_balancing": True, "norm_topk_prob": True}, (2, 16)),
+    # One grouped weight and bias per expert GEMM (Megatron-Core's moe_single_grouped_weight), idle experts too.
+    "single-grouped-weight": ({"moe_single_grouped_weight": True, "num_experts": 8, "top_k": 1}, (1, 6)),
 }
 
 
@@ -43,7 +45,14 @@ def test_moe_matches_twin_and_delayed_is_bitwise_immediate(variant):
     assert_grads(immediate, grads(twin))
     for layer in moe_layers(model):
         assert sum(layer.last_tokens_per_expert) == b * s * config.top_k
-    if variant == "idle-experts":
+    if variant == "single-grouped-weight":  # the twin read the one (experts, out, in) tensor per GEMM
+        assert {n for n in immediate if ".mlp.fc" in n} == {
+            f"blocks.{i}.mlp.{fc}.{part}"
+            for i in range(config.num_layers)
+            for fc in ("fc1", "fc2")
+            for part in ("weight", "bias")
+        }
+    if variant in ("idle-experts", "single-grouped-weight"):
         assert any(n == 0 for layer in moe_layers(model) for n in layer.last_tokens_per_expert)
 
     delayed = build(MoEGPT, moe_config(**overrides, delay_wgrad_compute=True))

@@ -131,3 +131,68 @@ def test_linear_with_hooks_is_refused_with_its_name():
     model[0].register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match=r"'0' has \['forward'\] hooks"):
         convert(model)
+
+
+class KeepsForward(nn.Linear):
+    """Like torchtitan's Linear: only the initialisation differs, forward is nn.Linear's."""
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class OverridesForward(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class ReadsWeight(nn.Module):
+    """A parent that uses its child's weight directly (the child's forward never runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj.weight.t()
+
+
+def test_subclass_keeping_nn_linear_forward_is_converted_by_rule():
+    model = nn.Sequential(KeepsForward(4, 3), nn.Linear(3, 2)).double()
+    reference = copy.deepcopy(model)
+    weight = model[0].weight
+    convert(model)
+    assert type(model[0]) is splitgrad.Linear and model[0].weight is weight
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    splitgrad.backward_dw(model)
+    reference(x).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad, rtol=0, atol=0)
+
+
+def test_subclass_overriding_forward_is_refused_naming_it_unless_opted_in():
+    model = nn.Sequential(nn.Linear(4, 4), OverridesForward(4, 3))
+    with pytest.raises(ValueError, match=r"'1' \(.*OverridesForward\).*types=\[OverridesForward\]"):
+        convert(model)
+    assert type(model[0]) is nn.Linear  # nothing converted when it refuses
+    convert(model, skip=["1"])
+    assert type(model[0]) is splitgrad.Linear and type(model[1]) is OverridesForward
+    model = convert(nn.Sequential(OverridesForward(4, 3)), types=[OverridesForward])
+    assert type(model[0]) is splitgrad.Linear  # the caller vouched its forward is x @ W.T + b
+    with pytest.raises(ValueError, match=r"types= takes nn\.Linear subclasses"):
+        convert(nn.Sequential(nn.Linear(2, 2)), types=[nn.ReLU])
+
+
+def test_linear_read_directly_by_its_parent_is_left_alone():
+    model = nn.Sequential(ReadsWeight(), nn.Linear(4, 4))
+    convert(model)
+    assert type(model[0].proj) is nn.Linear and type(model[1]) is splitgrad.Linear
+    assert not getattr(model[0].proj.weight, "skip_backward_post_hook", False)
+
+
+def test_skip_leaves_a_whole_subtree_alone():
+    model = _toy()
+    convert(model, skip=["body"])
+    assert type(model.body[1]) is nn.Linear and type(model.body[3]) is nn.Linear
+    assert type(model.inp) is splitgrad.Linear

@@ -132,6 +132,10 @@ class MoEConfig(GPTConfig):
     """Experts each token is sent to."""
     moe_ffn_hidden_size: int | None = None
     """Inner width of one expert; ``None`` means ``ffn_hidden_size``."""
+    moe_single_grouped_weight: bool = False
+    """Megatron-Core's ``moe_single_grouped_weight`` (TE's ``single_grouped_weight`` and ``single_grouped_bias``):
+    each expert GEMM ``fc1`` / ``fc2`` holds one ``weight`` ``(experts, out, in)`` (and one ``bias``
+    ``(experts, out)``) instead of ``weight0 ..`` / ``bias0 ..``."""
     norm_topk_prob: bool = False
     """Renormalise the top-k routing probabilities to sum to 1 per token (Mixtral); off, the weights are
     the plain softmax probabilities (Switch/GShard)."""

@@ -1,9 +1,10 @@
 """The experts of an MoE layer and the token permutation around them, shared by the single-process
 :class:`~splitgrad.models.MoEMLP` and the expert-parallel layer (:mod:`splitgrad.parallel.expert`).
 
-The experts are two grouped GEMMs with one weight per expert (``fc1``, ``fc2``: :class:`splitgrad.GroupedLinear`
-modules, or :class:`splitgrad.ops.GroupedLinear` ops), registered on the layer itself so that its state dict
-keeps ``fc1.weight{i}`` / ``fc2.weight{i}``. The permutation sorts the ``T * k`` token copies by expert (stable,
+The experts are two grouped GEMMs (``fc1``, ``fc2``: :class:`splitgrad.GroupedLinear` modules, or
+:class:`splitgrad.ops.GroupedLinear` ops), registered on the layer itself so that its state dict keeps
+``fc1.weight{i}`` / ``fc2.weight{i}`` (one weight per expert) or, with ``moe_single_grouped_weight``,
+``fc1.weight`` / ``fc2.weight`` (one ``(experts, out, in)`` tensor, TE's ``single_grouped_weight``). The permutation sorts the ``T * k`` token copies by expert (stable,
 so each expert sees its tokens in order) and undoes it after the experts, weighting and summing the ``k``
 copies.
 """
@@ -48,12 +49,15 @@ def make_experts(config: MoEConfig, num_experts: int, kind: str = "module") -> t
         raise ValueError(f"make_experts: kind must be one of {EXPERT_KINDS}, got {kind=}")
     h, f = config.hidden_size, config.moe_ffn_hidden_size
     width = 2 * f if config.activation in ("swiglu", "geglu") else f
+    single = config.moe_single_grouped_weight
+    layout = {"single_grouped_weight": single, "single_grouped_bias": single}
     if kind == "module":
         return (
-            GroupedLinear(num_experts, h, width, config.bias, **split_kwargs(config)),
-            GroupedLinear(num_experts, f, h, config.bias, **split_kwargs(config)),
+            GroupedLinear(num_experts, h, width, config.bias, **split_kwargs(config), **layout),
+            GroupedLinear(num_experts, f, h, config.bias, **split_kwargs(config), **layout),
         )
     kw = {
+        **layout,
         "bias": config.bias,
         "delay_wgrad_compute": config.delay_wgrad_compute,
         "accumulate_into_main_grad": config.fuse_wgrad_accumulation,

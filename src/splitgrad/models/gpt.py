@@ -323,10 +323,11 @@ class GPT(nn.Module):
         """GPT-2 initialisation: matrices ~ N(0, init_std), residual outputs / sqrt(2L), biases 0, norms 1."""
         std = self.config.init_std
         for name, param in self.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, std)
-            elif name.rsplit(".", 1)[-1].startswith("bias") or name.endswith("_bias"):
+            # Biases first: a single grouped bias (experts, out) is 2-D.
+            if name.rsplit(".", 1)[-1].startswith("bias") or name.endswith("_bias"):
                 param.zero_()
+            elif param.dim() >= 2:
+                param.normal_(0.0, std)
         for block in self.blocks:
             for weight in block.residual_output_weights():
                 weight.normal_(0.0, std / math.sqrt(2 * self.config.num_layers))

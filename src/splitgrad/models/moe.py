@@ -100,8 +100,8 @@ class MoEMLP(nn.Module):
         self.fc1, self.fc2 = make_experts(config, config.num_experts)
 
     def residual_output_weights(self) -> list[nn.Parameter]:
-        """fc2's per-expert matrices (they write into the residual stream)."""
-        return [getattr(self.fc2, f"weight{i}") for i in range(self.num_experts)]
+        """fc2's weights (they write into the residual stream): one per expert, or the one grouped weight."""
+        return list(self.fc2.grouped_params().weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

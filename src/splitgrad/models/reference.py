@@ -78,6 +78,14 @@ def _mlp(x: torch.Tensor, p: Params, pre: str, config: GPTConfig) -> torch.Tenso
     return _linear(hid, p[pre + "fc2_weight"], p.get(pre + "fc2_bias"))
 
 
+def _expert(p: Params, pre: str, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert ``e``'s ``(weight, bias)`` of a grouped linear, either layout (``weight{e}`` or ``weight[e]``)."""
+    if pre + "weight" in p:
+        bias = p.get(pre + "bias")
+        return p[pre + "weight"][e], (bias[e] if bias is not None else None)
+    return p[f"{pre}weight{e}"], p.get(f"{pre}bias{e}")
+
+
 def _moe(x: torch.Tensor, p: Params, pre: str, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert loop over boolean masks; returns ``(out, aux_loss)`` with the coefficient applied."""
     shape = x.shape
@@ -97,8 +105,8 @@ def _moe(x: torch.Tensor, p: Params, pre: str, config: MoEConfig) -> tuple[torch
     out = torch.zeros_like(h)
     for e in range(config.num_experts):
         tok, slot = (experts == e).nonzero(as_tuple=True)
-        fc1 = _linear(h[tok], p[f"{pre}fc1.weight{e}"], p.get(f"{pre}fc1.bias{e}"))
-        y = _linear(_activation(fc1, config.activation), p[f"{pre}fc2.weight{e}"], p.get(f"{pre}fc2.bias{e}"))
+        fc1 = _linear(h[tok], *_expert(p, f"{pre}fc1.", e))
+        y = _linear(_activation(fc1, config.activation), *_expert(p, f"{pre}fc2.", e))
         out = out.index_add(0, tok, y * weights[tok, slot].unsqueeze(-1))
     fraction = torch.stack([(experts == e).sum() for e in range(config.num_experts)]).to(probs.dtype)
     fraction = fraction / (h.shape[0] * config.top_k)

@@ -8,10 +8,17 @@ import torch
 from torch import nn
 
 from ..core import SplitModule, split_backward
+from ..functional.grouped_gemm import group_offsets, grouped_dgrad, grouped_forward
+from ..functional.grouped_layout import (
+    grouped_biases,
+    grouped_pairs,
+    grouped_params_of,
+    register_grouped_parameters,
+)
+from ..functional.grouped_wgrad import GroupedParams, grouped_gradients, write_grouped_wgrad
 from ..functional.init import linear_init_
 from ..functional.split_sizes import check_split_sizes
-from ..functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
-from ._layer_setup import check_positive_sizes, register_optional_parameter
+from ._layer_setup import check_positive_sizes
 from ._linear_wgrad import route_wgrad_at_forward
 
 __all__ = ["GroupedLinear"]
@@ -20,62 +27,43 @@ __all__ = ["GroupedLinear"]
 class _GroupedLinearFunction(torch.autograd.Function):
     """Autograd Function of :class:`GroupedLinear`.
 
-    Shapes: ``x: (tokens, in)`` split by rows into ``m_splits``; ``weights[i]: (out, in)``,
-    ``biases[i]: (out,)`` -> ``y: (tokens, out)`` whose row block ``i`` is ``x_i @ weights[i].T + biases[i]``.
-    Every GEMM reads and writes contiguous row slices of one input/output buffer (no concatenation).
+    Shapes: ``x: (tokens, in)`` split by rows into ``m_splits``; the weight(s) and bias(es) as
+    :class:`~splitgrad.functional.grouped_wgrad.GroupedParams` lays them out (one ``(groups, out, in)`` tensor or
+    one ``(out, in)`` per group) -> ``y: (tokens, out)`` whose row block ``i`` is ``x_i @ W_i.T + b_i``. The
+    grouped GEMM picks ``grouped_mm`` or the per-group loop (:mod:`splitgrad.functional.grouped_gemm`).
     """
 
     @staticmethod
     def forward(ctx, x, m_splits: list[int], owner: GroupedLinear, *params):  # type: ignore[override]
-        n = owner.num_gemms
-        weights, biases = params[:n], (params[n:] if len(params) > n else (None,) * n)
-        ctx.m_splits, ctx.n = m_splits, n
-        has_bias = len(params) > n
+        layout = owner.grouped_params(params)
+        ctx.m_splits, ctx.layout = m_splits, layout
         route_wgrad_at_forward(
-            ctx, owner, (*owner.weights, *(owner.biases if has_bias else ())), has_bias=has_bias
+            ctx, owner, tuple(owner.grouped_params().tensors), has_bias=layout.bias is not None
         )
-        ctx.save_for_backward(x, *weights)
-        y = x.new_empty(x.shape[0], owner.out_features)
-        for xi, yi, w, b in zip(torch.split(x, m_splits), torch.split(y, m_splits), weights, biases):
-            if xi.shape[0] == 0:
-                continue
-            # The ops F.linear dispatches to for 2-D inputs, written in place: bitwise equal to it.
-            if b is None:
-                torch.mm(xi, w.t(), out=yi)
-            else:
-                torch.addmm(b, xi, w.t(), out=yi)
-        return y
+        ctx.save_for_backward(x, *layout.weights)
+        # grouped_mm's offsets, once per call (only a 3-D weight can take that path).
+        ctx.offs = group_offsets(m_splits, x.device) if isinstance(layout.weight, torch.Tensor) else None
+        return grouped_forward(x, layout.weight, m_splits, bias=layout.bias, offs=ctx.offs)
 
     @staticmethod
     @split_backward
     def backward(ctx, dy):  # type: ignore[override]
         x, *weights = ctx.saved_tensors
         owner: GroupedLinear = ctx.owner
-        n, m_splits = ctx.n, ctx.m_splits
-        need = ctx.needs_input_grad[3:]
-        dy = dy.contiguous()
-
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = x.new_empty(x.shape)
-            for dyi, dxi, w in zip(torch.split(dy, m_splits), torch.split(dx, m_splits), weights):
-                if dyi.shape[0] != 0:
-                    torch.mm(dyi, w, out=dxi)
+        m_splits = ctx.m_splits
+        weight = weights[0] if isinstance(ctx.layout.weight, torch.Tensor) else weights
+        dy = dy.contiguous()  # grouped_mm refuses broadcast gradients (e.g. of a .sum())
+        offs = ctx.offs
+        dx = grouped_dgrad(dy, weight, m_splits, offs=offs) if ctx.needs_input_grad[0] else None
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            dws, dbs = [], []
-            for i, (dyi, xi) in enumerate(zip(torch.split(dy, m_splits), torch.split(x, m_splits))):
-                dws.append(linear_wgrad(dyi, xi) if mask[i] else None)
-                if ctx.has_bias:
-                    dbs.append(bias_wgrad(dyi) if mask[n + i] else None)
-            return dws + dbs
+            return grouped_gradients(ctx.layout, dy, x, m_splits, mask, offs)
 
         def write(mask: tuple[bool, ...]) -> None:
-            biases = mask[n:] if ctx.has_bias else (False,) * n
-            owner._write_wgrad(dy, x, m_splits, want_w=mask[:n], want_b=biases)
+            owner._write_wgrad(dy, x, m_splits, mask, offs)
 
         grads = owner.hand_over_wgrad(
-            ctx.params, need, split=ctx.split, gradients=gradients, write=write,
+            ctx.params, ctx.needs_input_grad[3:], split=ctx.split, gradients=gradients, write=write,
             saved=(dy, x), create_graph=ctx.create_graph,
         )  # fmt: skip
         return (dx, None, None, *grads)
@@ -84,17 +72,25 @@ class _GroupedLinearFunction(torch.autograd.Function):
 class GroupedLinear(SplitModule):
     """``num_gemms`` independent linears applied to consecutive row groups (TE's MoE expert layer).
 
-    Parameters are ``weight0 .. weight{n-1}`` ``(out_features, in_features)`` and ``bias0 ..`` ``(out,)``.
-    One :meth:`backward_dw` completes every group of one backward. Empty groups are allowed; their
-    gradients are zeros (as with plain autograd), accumulated like any other.
+    Parameters, as TE names them: ``weight0 .. weight{n-1}`` ``(out_features, in_features)`` and ``bias0 ..``
+    ``(out_features,)``; with ``single_grouped_weight=True`` one ``weight`` ``(num_gemms, out_features,
+    in_features)``, with ``single_grouped_bias=True`` one ``bias`` ``(num_gemms, out_features)``.
+    :func:`~splitgrad.functional.grouped_layout.convert_grouped_state_dict` converts checkpoints between the
+    layouts. One :meth:`backward_dw` completes every group of one backward. Empty groups are allowed; their
+    gradients are zeros (as with plain autograd), accumulated like any other. The GEMMs run torch's
+    ``grouped_mm`` where it applies (one 3-D weight, float32/bfloat16/float16, 16-byte strides) and a
+    per-group loop elsewhere; fused accumulation always adds into ``main_grad`` group by group, without a
+    weight-sized temporary (see :mod:`splitgrad.functional.grouped_gemm`).
 
     Args:
         num_gemms: number of groups (experts).
         in_features: size of the last input dimension.
         out_features: size of the last output dimension.
         bias: learn a bias per group.
+        single_grouped_weight: one 3-D ``weight`` parameter instead of ``weight0 ..``.
+        single_grouped_bias: one 2-D ``bias`` parameter instead of ``bias0 ..`` (no effect without ``bias``).
         delay_wgrad_compute: park every group's weight gradient as one task for :meth:`backward_dw`.
-        fuse_wgrad_accumulation: add each ``weight{i}`` gradient into ``weight{i}.main_grad``.
+        fuse_wgrad_accumulation: add the weight gradient(s) into ``main_grad`` (same shape as the weight).
         params_dtype: parameter dtype (default: torch's default dtype).
         device: parameter device.
 
@@ -109,6 +105,8 @@ class GroupedLinear(SplitModule):
         out_features: int,
         bias: bool = True,
         *,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         params_dtype: torch.dtype | None = None,
@@ -122,12 +120,13 @@ class GroupedLinear(SplitModule):
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = bool(bias)
-        factory = {"dtype": params_dtype, "device": device}
-        for i in range(num_gemms):
-            self.register_parameter(
-                f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory))
-            )
-            register_optional_parameter(self, f"bias{i}", bias, (out_features,), factory)
+        self.single_grouped_weight = bool(single_grouped_weight)
+        self.single_grouped_bias = bool(single_grouped_bias) and self.use_bias
+        register_grouped_parameters(
+            self, num_gemms, (out_features, in_features), bias=self.use_bias,
+            single_weight=self.single_grouped_weight, single_bias=self.single_grouped_bias,
+            factory={"dtype": params_dtype, "device": device}, absent_as_none=True,
+        )  # fmt: skip
         self.reset_parameters()
         self.init_split(
             delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation
@@ -135,18 +134,27 @@ class GroupedLinear(SplitModule):
 
     @property
     def weights(self) -> list[nn.Parameter]:
-        """``[weight0, ..., weight{n-1}]``."""
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        """The weight parameter(s): ``[weight]`` with ``single_grouped_weight``, else ``[weight0, ..]``."""
+        return self.grouped_params().weights
 
     @property
     def biases(self) -> list[nn.Parameter | None]:
-        """``[bias0, ..., bias{n-1}]`` (Nones without bias)."""
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        """Each group's bias: views of ``bias`` with ``single_grouped_bias``, ``[bias0, ..]``, or Nones."""
+        return grouped_biases(self.grouped_params(), self.num_gemms)
+
+    def grouped_params(self, tensors: Sequence[torch.Tensor] | None = None) -> GroupedParams:
+        """The layer's parameters (or ``tensors`` standing in for them, in the same order) as a layout."""
+        return grouped_params_of(
+            self, self.num_gemms, tensors, single_weight=self.single_grouped_weight,
+            single_bias=self.single_grouped_bias, bias=self.use_bias,
+        )  # fmt: skip
 
     def reset_parameters(self) -> None:
-        """Each group initialised like a ``torch.nn.Linear``."""
-        for w, b in zip(self.weights, self.biases):
-            linear_init_(w, b)
+        """Each group initialised like a ``torch.nn.Linear``, group by group in either layout (so one seed gives
+        the same values in both)."""
+        with torch.no_grad():
+            for w, b in grouped_pairs(self.grouped_params(), self.num_gemms):
+                linear_init_(w, b)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``x: (..., in_features)`` with rows grouped by ``m_splits`` -> ``(..., out_features)``.
@@ -157,9 +165,8 @@ class GroupedLinear(SplitModule):
         than the weights raises ``RuntimeError`` naming both devices. Works on the ``"meta"`` device.
         """
         splits = self._check_splits(x, m_splits)
-        params = [*self.weights, *(self.biases if self.use_bias else ())]
         x2 = x.reshape(-1, self.in_features)
-        y = self.apply_function(_GroupedLinearFunction, x2, splits, self, *params)
+        y = self.apply_function(_GroupedLinearFunction, x2, splits, self, *self.grouped_params().tensors)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
@@ -169,7 +176,7 @@ class GroupedLinear(SplitModule):
         )
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
-        # Registration order (weight0, bias0, weight1, ...), the order named_parameters() reports.
+        # Registration order (weight0, bias0, weight1, ... or weight, bias), the order named_parameters() reports.
         return list(self.parameters())
 
     def _write_wgrad(
@@ -177,24 +184,18 @@ class GroupedLinear(SplitModule):
         dy: torch.Tensor,
         x: torch.Tensor,
         m_splits: list[int],
-        *,
-        want_w: tuple[bool, ...],
-        want_b: tuple[bool, ...],
+        mask: tuple[bool, ...],
+        offs: torch.Tensor | None = None,
     ) -> None:
-        """Write every group's gradients for ``dy: (tokens, out)`` and ``x: (tokens, in)``."""
-        owner, fused = self._describe(), self.fuse_wgrad_accumulation
-        # Every group is checked before any is written: a failed task writes nothing and can be retried.
-        targets = [(w, want_w[i], f"weight{i}", fused) for i, w in enumerate(self.weights)]
-        targets += [(b, want_b[i], f"bias{i}", False) for i, b in enumerate(self.biases)]
-        check_targets(targets, owner=owner, flag="fuse_wgrad_accumulation")
-        groups = zip(torch.split(dy, m_splits), torch.split(x, m_splits), self.weights, self.biases)
-        for i, (dyi, xi, w, b) in enumerate(groups):
-            write_linear_wgrad(
-                w, b, dyi, xi, want_w=want_w[i], want_b=want_b[i], fused=fused, owner=owner, name=f"weight{i}"
-            )
+        """Write the masked gradients (:meth:`grouped_params` order) for ``dy: (tokens, out)``, ``x: (tokens, in)``."""
+        fused, owner = self.fuse_wgrad_accumulation, self._describe()
+        write_grouped_wgrad(self.grouped_params(), dy, x, m_splits, mask, fused=fused, owner=owner, offs=offs)
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.use_bias}"
         )
+        if self.single_grouped_weight or self.single_grouped_bias:
+            text += f", single_grouped_weight={self.single_grouped_weight}, single_grouped_bias={self.single_grouped_bias}"
+        return text

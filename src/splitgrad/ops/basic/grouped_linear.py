@@ -7,9 +7,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ...functional.grouped_gemm import grouped_dgrad, grouped_forward
+from ...functional.grouped_layout import (
+    grouped_biases,
+    grouped_pairs,
+    grouped_params_of,
+    register_grouped_parameters,
+)
+from ...functional.grouped_wgrad import GroupedParams, grouped_gradients, write_grouped_wgrad
 from ...functional.init import linear_init_
 from ...functional.split_sizes import check_split_sizes
-from ...functional.wgrad import bias_wgrad, check_targets, linear_wgrad, write_linear_wgrad
 from ..op import BasicOperation, OperationContext, ParamGrads
 from ._split_op import SplitOperation, split_repr
 
@@ -30,18 +37,24 @@ def as_split_sizes(
 
 
 class GroupedLinear(SplitOperation):
-    """``y_g = x_g @ weight{g}.T + bias{g}`` for consecutive row blocks ``x_g`` of ``x`` (sizes per call).
+    """``y_g = x_g @ W_g.T + b_g`` for consecutive row blocks ``x_g`` of ``x`` (sizes per call).
 
     Called as ``op(x, split_sizes)``; inside :class:`~splitgrad.ops.Sequential` the split sizes are an extra
-    input (``seq(x, split_sizes)``). Weights *and* biases are deferred together (one task per backward covering
-    every group), as in the :class:`splitgrad.GroupedLinear` module; with ``accumulate_into_main_grad`` the
-    weight gradients are added into ``weight{g}.main_grad`` and the bias gradients accumulate into ``.grad``.
+    input (``seq(x, split_sizes)``). Parameters: ``weight0 ..`` ``(out, in)`` then ``bias0 ..`` ``(out,)``, or
+    (TE's ``single_grouped_weight`` / ``single_grouped_bias``) one ``weight`` ``(num_groups, out, in)`` and
+    one ``bias`` ``(num_groups, out)``; :func:`~splitgrad.functional.grouped_layout.convert_grouped_state_dict`
+    converts checkpoints between the layouts. Weights *and* biases are deferred together (one task per
+    backward covering every group), as in the :class:`splitgrad.GroupedLinear` module; with
+    ``accumulate_into_main_grad`` the weight gradients are added into ``main_grad`` (same shape as each weight,
+    group by group, no weight-sized temporary) and the bias gradients accumulate into ``.grad``.
 
     Args:
         num_groups: number of groups (experts).
         in_features: size of the last input dimension.
         out_features: size of the last output dimension.
         bias: learn a bias per group.
+        single_grouped_weight: one 3-D ``weight`` parameter instead of ``weight0 ..``.
+        single_grouped_bias: one 2-D ``bias`` parameter instead of ``bias0 ..`` (no effect without ``bias``).
         delay_wgrad_compute: defer the weight/bias gradients to :meth:`backward_dw`.
         accumulate_into_main_grad: add weight gradients into ``main_grad`` (``.grad`` stays None).
         dtype: parameter dtype (default: torch's default dtype).
@@ -60,6 +73,8 @@ class GroupedLinear(SplitOperation):
         out_features: int,
         *,
         bias: bool = True,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
         delay_wgrad_compute: bool = False,
         accumulate_into_main_grad: bool = False,
         dtype: torch.dtype | None = None,
@@ -74,28 +89,36 @@ class GroupedLinear(SplitOperation):
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = bias
-        factory = {"dtype": dtype, "device": device}
-        for g in range(num_groups):
-            self.register_parameter(
-                f"weight{g}", nn.Parameter(torch.empty(out_features, in_features, **factory))
-            )
-        if bias:
-            for g in range(num_groups):
-                self.register_parameter(f"bias{g}", nn.Parameter(torch.empty(out_features, **factory)))
+        self.single_grouped_weight = bool(single_grouped_weight)
+        self.single_grouped_bias = bool(single_grouped_bias) and bool(bias)
+        register_grouped_parameters(
+            self, num_groups, (out_features, in_features), bias=bias, single_weight=self.single_grouped_weight,
+            single_bias=self.single_grouped_bias, factory={"dtype": dtype, "device": device}, interleave=False,
+        )  # fmt: skip
         self.finish_init(
             delay_wgrad_compute=delay_wgrad_compute, accumulate_into_main_grad=accumulate_into_main_grad
         )
 
-    def weights(self) -> list[nn.Parameter]:
-        return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
+    def grouped_params(self, tensors: list[torch.Tensor] | None = None) -> GroupedParams:
+        """The op's parameters (or ``tensors`` standing in for them, in the same order) as a layout."""
+        return grouped_params_of(
+            self, self.num_groups, tensors, single_weight=self.single_grouped_weight,
+            single_bias=self.single_grouped_bias, bias=self.use_bias,
+        )  # fmt: skip
 
-    def biases(self) -> list[nn.Parameter | None]:
-        return [getattr(self, f"bias{g}") if self.use_bias else None for g in range(self.num_groups)]
+    def weights(self) -> list[nn.Parameter]:
+        """The weight parameter(s): ``[weight]`` or ``[weight0, ..]``."""
+        return self.grouped_params().weights
+
+    def biases(self) -> list[nn.Parameter | torch.Tensor | None]:
+        """Each group's bias: ``[bias0, ..]``, views of the single ``bias``, or Nones."""
+        return grouped_biases(self.grouped_params(), self.num_groups)
 
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation, group by group."""
-        for w, b in zip(self.weights(), self.biases()):
-            linear_init_(w, b)
+        """``torch.nn.Linear``'s initialisation, group by group (one seed gives both layouts the same values)."""
+        with torch.no_grad():
+            for w, b in grouped_pairs(self.grouped_params(), self.num_groups):
+                linear_init_(w, b)
 
     def wgrad_parameters(self) -> list[nn.Parameter]:
         return self.op_parameters()
@@ -112,43 +135,37 @@ class GroupedLinear(SplitOperation):
         self._check_same_device(x, self.op_parameters())
         x2 = x.reshape(-1, self.in_features)
         sizes = as_split_sizes(self, split_sizes, self.num_groups, x2.shape[0])
+        layout = self.grouped_params()
         ctx.sizes = sizes
         ctx.split = ctx.weight_requires_grad and self.splits_wgrad()
-        ctx.params = tuple(self.op_parameters())
+        ctx.params = tuple(layout.tensors)
         ctx.lead = tuple(x.shape[:-1])
         if ctx.requires_grad:
-            ctx.save_for_backward(x2 if ctx.weight_requires_grad else None, *self.weights())
-        y = x2.new_empty(x2.shape[0], self.out_features)
-        for xg, yg, w, b in zip(x2.split(sizes), y.split(sizes), self.weights(), self.biases()):
-            # Writing each group's GEMM straight into its rows of y avoids a concatenation copy.
-            if b is None:
-                torch.mm(xg, w.t(), out=yg)
-            else:
-                torch.addmm(b, xg, w.t(), out=yg)
+            ctx.save_for_backward(x2 if ctx.weight_requires_grad else None, *layout.weights)
+        y = grouped_forward(x2, layout.weight, sizes, bias=layout.bias)
         return y.view(*ctx.lead, self.out_features)
 
     def op_backward(self, ctx: OperationContext, dy: torch.Tensor) -> tuple[torch.Tensor | None, ParamGrads]:
         x2, *weights = ctx.saved_tensors
         sizes: list[int] = ctx.sizes
-        dy2 = dy.reshape(-1, self.out_features)
+        # Contiguous: grouped_mm refuses broadcast gradients (e.g. of a .sum()).
+        dy2 = dy.reshape(-1, self.out_features).contiguous()
         dx = None
         if ctx.input_requires_grad:
-            dx2 = dy2.new_empty(dy2.shape[0], self.in_features)
-            for dyg, dxg, w in zip(dy2.split(sizes), dx2.split(sizes), weights):
-                torch.mm(dyg, w, out=dxg)
-            dx = dx2.view(*ctx.lead, self.in_features)
+            weight = weights[0] if self.single_grouped_weight else weights
+            dx = grouped_dgrad(dy2, weight, sizes).view(*ctx.lead, self.in_features)
         if not ctx.weight_requires_grad:
             return dx, None
-        n = self.num_groups
+        layout = self.grouped_params()
 
         def gradients(mask: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            dys, xs = dy2.split(sizes), x2.split(sizes)
-            dws = [linear_wgrad(dys[g], xs[g]) if mask[g] else None for g in range(n)]
-            dbs = [bias_wgrad(dys[g]) if mask[n + g] else None for g in range(n)] if self.use_bias else []
-            return dws + dbs
+            return grouped_gradients(layout, dy2, x2, sizes, mask)
 
         def write(mask: tuple[bool, ...]) -> None:
-            self._write_wgrad(dy2, x2, sizes, mask)
+            write_grouped_wgrad(
+                self.grouped_params(), dy2, x2, sizes, mask, fused=self.fuse_wgrad_accumulation,
+                owner=self._describe(), flag="accumulate_into_main_grad",
+            )  # fmt: skip
 
         grads = self.hand_over_wgrad(
             ctx.params, [p.requires_grad for p in ctx.params], split=ctx.split, gradients=gradients,
@@ -156,25 +173,11 @@ class GroupedLinear(SplitOperation):
         )  # fmt: skip
         return dx, grads
 
-    def _write_wgrad(
-        self, dy2: torch.Tensor, x2: torch.Tensor, sizes: list[int], mask: tuple[bool, ...]
-    ) -> None:
-        """Write the masked gradients (weights, then biases, as :meth:`op_parameters`) of every group."""
-        owner, n, fused = self._describe(), self.num_groups, self.fuse_wgrad_accumulation
-        want_b = mask[n:] if self.use_bias else (False,) * n
-        # Every group is checked before any is written: a failed task writes nothing and can be retried.
-        targets = [(w, mask[g], f"weight{g}", fused) for g, w in enumerate(self.weights())]
-        targets += [(b, want_b[g], f"bias{g}", False) for g, b in enumerate(self.biases())]
-        check_targets(targets, owner=owner, flag="accumulate_into_main_grad")
-        groups = zip(dy2.split(sizes), x2.split(sizes), self.weights(), self.biases())
-        for g, (dyg, xg, w, b) in enumerate(groups):
-            write_linear_wgrad(
-                w, b, dyg, xg, want_w=mask[g], want_b=want_b[g], fused=fused, owner=owner, name=f"weight{g}",
-                flag="accumulate_into_main_grad",
-            )  # fmt: skip
-
     def extra_repr(self) -> str:
+        single = ""
+        if self.single_grouped_weight or self.single_grouped_bias:
+            single = f"single_grouped_weight={self.single_grouped_weight}, single_grouped_bias={self.single_grouped_bias}, "
         return (
             f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}, {split_repr(self)}"
+            f"bias={self.use_bias}, {single}{split_repr(self)}"
         )

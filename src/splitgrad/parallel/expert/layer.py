@@ -159,8 +159,8 @@ class ExpertParallelMoEMLP(nn.Module):
         return [*self.fc1.parameters(), *self.fc2.parameters()]
 
     def residual_output_weights(self) -> list[nn.Parameter]:
-        """fc2's local per-expert matrices (they write into the residual stream)."""
-        return [getattr(self.fc2, f"weight{j}") for j in range(self.local_experts)]
+        """fc2's weights (they write into the residual stream): one per expert, or the one grouped weight."""
+        return list(self.fc2.grouped_params().weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_steps(self.forward_steps(x))

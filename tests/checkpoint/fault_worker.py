@@ -1,0 +1,93 @@
+"""A rank of the fault tests, started as its own process (``python -m tests.checkpoint.fault_worker MODE ...``).
+
+* ``kill``: 3-rank 1F1B on env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the rank ``KILL_RANK`` sends
+  itself SIGKILL inside step ``KILL_STEP``, from its first action's handler: a death mid-step. The others
+  must fail on their own within the runtime's timeout, naming the dead rank and the action they waited on.
+* ``write``: one process, one stage; saves step 1, then starts saving step 2 with a writer that stops
+  halfway through its file and prints ``WRITING`` (the test kills it there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import splitgrad
+from splitgrad.pipeline import build_runtime
+from splitgrad.pipeline.ir.actions import ActionKind
+
+KILL_RANK, KILL_STEP, STEPS, TIMEOUT = 1, 3, 6, 20.0
+
+
+def _model(n_stages: int) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [
+        torch.nn.Sequential(splitgrad.Linear(8, 8, delay_wgrad_compute=True), torch.nn.Tanh())
+        for _ in range(n_stages)
+    ]
+
+
+def kill() -> None:
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    rt = build_runtime(
+        _model(3), "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=TIMEOUT, record_timeline=False
+    )
+    step_now = {"step": 0}
+    forward = rt.handlers[ActionKind.F]
+
+    def dying_forward(ctx, action, received):  # the public per-kind handler table
+        if rank == KILL_RANK and step_now["step"] == KILL_STEP:
+            print(f"rank {rank}: SIGKILL at action {action} of step {KILL_STEP}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(ctx, action, received)
+
+    rt.handlers[ActionKind.F] = dying_forward
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for step in range(1, STEPS + 1):
+        step_now["step"] = step
+        rt.step(x, y)
+        print(f"rank {rank}: step {step} done", flush=True)
+    rt.close()
+    dist.destroy_process_group()
+
+
+def write(root: str) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from splitgrad.pipeline.checkpoint import PipelineCheckpointer
+
+    stages = _model(1)
+    rt = build_runtime(stages, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, record_timeline=False)
+    opt = torch.optim.AdamW(rt.parameters())
+    ckpt = PipelineCheckpointer(root, rt, stages[0], opt)
+    rt.step(torch.randn(4, 8), torch.randn(4, 8))
+    opt.step()
+    ckpt.save(1)
+    original = FileSystemWriter.write_data
+
+    def stalls_halfway(self, plan, planner):  # write half of this rank's file, then hang there
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, "__0_0.distcp"), "wb") as f:
+            f.write(b"\0" * 64)
+            f.flush()
+        print("WRITING", flush=True)
+        time.sleep(600)
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = stalls_halfway
+    ckpt.save(2)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        kill()
+    else:
+        write(sys.argv[2])

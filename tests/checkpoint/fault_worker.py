@@ -5,6 +5,9 @@
   must fail on their own within the runtime's timeout, naming the dead rank and the action they waited on.
 * ``write``: one process, one stage; saves step 1, then starts saving step 2 with a writer that stops
   halfway through its file and prints ``WRITING`` (the test kills it there).
+* ``restart``: 2-rank 1F1B under ``torchrun --max-restarts 1``, a checkpoint after every step; on the first
+  attempt rank ``KILL_RANK`` dies by SIGKILL inside step ``KILL_STEP``; the restarted attempt resumes from the
+  newest complete checkpoint and finishes. Every line it prints names the attempt.
 """
 
 from __future__ import annotations
@@ -86,8 +89,46 @@ def write(root: str) -> None:
     ckpt.save(2)
 
 
+def restart(root: str) -> None:
+    from splitgrad.pipeline.checkpoint import PipelineCheckpointer
+
+    attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    stages = _model(2)
+    rt = build_runtime(
+        stages, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, timeout=TIMEOUT, record_timeline=False
+    )
+    opt = torch.optim.AdamW(rt.parameters(), lr=0.01)
+    ckpt = PipelineCheckpointer(root, rt, torch.nn.Sequential(*stages), opt, timeout=TIMEOUT)
+    done = 0
+    if ckpt.latest() is not None:
+        restored = ckpt.load()
+        done = restored.step
+        print(f"attempt {attempt} rank {rank}: resumed from {restored.path} after step {done}", flush=True)
+    forward = rt.handlers[ActionKind.F]
+    step_now = {"step": 0}
+
+    def dying_forward(ctx, action, received):
+        if attempt == 0 and rank == KILL_RANK and step_now["step"] == KILL_STEP:
+            print(f"attempt {attempt} rank {rank}: SIGKILL in step {KILL_STEP}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(ctx, action, received)
+
+    rt.handlers[ActionKind.F] = dying_forward
+    for step in range(done + 1, STEPS + 1):
+        step_now["step"] = step
+        data = torch.Generator().manual_seed(step)  # the data position is the step
+        x, y = torch.randn(8, 8, generator=data), torch.randn(8, 8, generator=data)
+        rt.zero_grad()
+        result = rt.step(x, y)
+        opt.step()
+        ckpt.save(step)  # synchronous: published before the next step starts
+        loss = "-" if result.loss is None else repr(float(result.loss))
+        print(f"attempt {attempt} rank {rank}: step {step} done, loss {loss}", flush=True)
+    ckpt.close()
+    rt.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "kill":
-        kill()
-    else:
-        write(sys.argv[2])
+    {"kill": kill, "write": write, "restart": restart}[sys.argv[1]](*sys.argv[2:])

@@ -28,7 +28,7 @@ from splitgrad.pipeline.checkpoint import (
     latest_checkpoint,
     verify_checkpoint,
 )
-from tests.checkpoint.fault_worker import KILL_RANK, KILL_STEP, TIMEOUT
+from tests.checkpoint.fault_worker import KILL_RANK, KILL_STEP, STEPS, TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,9 @@ def test_sigkill_mid_step_fails_every_other_rank_in_time_naming_the_dead_rank():
         assert f"rank {rank}: step {KILL_STEP - 1} done" in out and f"step {KILL_STEP} done" not in out
         assert exits[rank] < TIMEOUT + 30, f"rank {rank} took {exits[rank]:.1f} s to fail after the kill"
         # The runtime's error: this pipeline rank, the dead peer, and the action whose message it waited for.
-        error = [line for line in err.splitlines() if line.startswith("RuntimeError")]
+        # torch prefixes an uncaught exception's lines with "[rankN]: " once the process group exists.
+        lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in err.splitlines()]
+        error = [line for line in lines if line.startswith("RuntimeError: pipeline rank")]
         assert error, err[-3000:]
         assert f"pipeline rank {rank}" in error[-1] and f"from rank {KILL_RANK}" in error[-1], error[-1]
         assert re.search(r"action \d+(F|B|BW|W)\d+", error[-1]), error[-1]
@@ -154,3 +156,29 @@ def test_only_complete_checkpoints_are_visible(tmp_path, caplog):
     assert latest_checkpoint(tmp_path) is None
     with pytest.raises(FileNotFoundError):
         verify_checkpoint(tmp_path / "step_00000009")
+
+
+@pytest.mark.distributed
+def test_torchrun_restarts_a_killed_job_from_the_last_complete_checkpoint(tmp_path):
+    tag = uuid.uuid4().hex
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--monitor-interval", "0.5",
+        str(ROOT / "tests" / "checkpoint" / "fault_worker.py"), "restart", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env(tag), timeout=400)
+    out = proc.stdout
+    assert proc.returncode == 0, (out, proc.stderr[-3000:])
+    assert f"attempt 0 rank {KILL_RANK}: SIGKILL in step {KILL_STEP}" in out, out
+    for rank in (0, 1):
+        # The first attempt finished steps before the kill; none after it.
+        first = [int(s) for s in re.findall(rf"attempt 0 rank {rank}: step (\d+) done", out)]
+        assert first == list(range(1, KILL_STEP)), out
+        # torchrun restarted the job by itself; it resumed from the last complete checkpoint and finished.
+        resumed = checkpoint_path(tmp_path, KILL_STEP - 1)
+        assert f"attempt 1 rank {rank}: resumed from {resumed} after step {KILL_STEP - 1}" in out, out
+        second = [int(s) for s in re.findall(rf"attempt 1 rank {rank}: step (\d+) done", out)]
+        assert second == list(range(KILL_STEP, STEPS + 1)), out
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, STEPS)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # the restart removed the leftovers
+    assert tagged_processes(tag) == []

@@ -1,5 +1,5 @@
 """Imports point one way: core -> functional -> distributed -> module / ops -> models -> parallel / graphs -> pipeline
--> cli.
+-> integrations -> cli.
 
 Why: the layout is meant to show the architecture (CONVENTIONS.md, README's Layout). A lower layer importing a
 higher one, ``module/`` and ``ops/`` importing each other, or one package reaching into another's private
@@ -28,10 +28,11 @@ LAYERS = {
     "parallel": 5,
     "graphs": 5,
     "pipeline": 6,
-    "testing": 7,  # test doubles and references: may use anything below the CLI; the library never imports it
-    "cli": 8,
-    "__main__": 8,
-    "": 8,  # the package facade (splitgrad/__init__.py) re-exports from every layer
+    "integrations": 7,  # other people's frameworks (torchtitan, ...), each imported lazily
+    "testing": 8,  # test doubles and references: may use anything below the CLI; the library never imports it
+    "cli": 9,
+    "__main__": 9,
+    "": 9,  # the package facade (splitgrad/__init__.py) re-exports from every layer
 }
 #: Siblings that must not import each other.
 SEPARATE = {frozenset({"module", "ops"})}

@@ -17,6 +17,8 @@ import pytest
 from splitgrad.testing import spawn
 from tests.expert import ep_checks
 
+pytestmark = pytest.mark.distributed
+
 CASES_2 = [
     ({}, 2, 8, "module"),
     ({"top_k": 1, "activation": "swiglu", "bias": False, "norm_topk_prob": True}, 2, 8, "ops"),

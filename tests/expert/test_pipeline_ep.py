@@ -11,10 +11,13 @@ same computation in order.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from splitgrad.testing import spawn
 from tests.expert import pipeline_checks
+
+pytestmark = pytest.mark.distributed
 
 RUNS = [
     ("1f1b", "1f1b", False),

@@ -21,7 +21,7 @@ from splitgrad.testing import spawn
 
 from . import workers
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def _assert_check(label: str, out: dict, *, split: bool) -> None:

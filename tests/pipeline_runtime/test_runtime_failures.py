@@ -16,6 +16,8 @@ from splitgrad.testing import SpawnError, SpawnTimeoutError, spawn
 
 from . import workers
 
+pytestmark = pytest.mark.distributed
+
 
 def _failures(mode: str, failing_rank: int, wait_s: float = 2.0) -> dict[int, str]:
     with pytest.raises(SpawnError) as info:

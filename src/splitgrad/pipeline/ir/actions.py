@@ -339,37 +339,51 @@ class Schedule:
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
-        """Parse :meth:`to_text` output; lines starting with ``#`` and blank lines are ignored."""
-        fields: dict[str, str] = {}
-        ranks: dict[int, tuple[AnyAction, ...]] = {}
-        for lineno, raw in enumerate(text.splitlines(), start=1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, _, value = line.partition(" ")
-            if key == "rank":
-                index, sep, body = value.partition(":")
-                if not sep or not index.strip().isdigit():
-                    raise ValueError(f"line {lineno}: expected 'rank <r>: <actions>', got {raw!r}")
-                ranks[int(index)] = tuple(parse_action(tok) for tok in body.split())
-            elif key in ("schedule", "stages", "microbatches", "stage_to_rank"):
-                fields[key] = value.strip()
-            else:
-                raise ValueError(f"line {lineno}: unknown field {key!r} in {raw!r}")
-        missing = [k for k in ("schedule", "stages", "microbatches", "stage_to_rank") if k not in fields]
-        if missing:
-            raise ValueError(f"schedule text lacks fields {missing}")
-        stage_to_rank = tuple(int(tok) for tok in fields["stage_to_rank"].split())
-        if len(stage_to_rank) != int(fields["stages"]):
-            raise ValueError(f"'stages {fields['stages']}' disagrees with {len(stage_to_rank)=} entries")
-        if sorted(ranks) != list(range(len(ranks))):
-            raise ValueError(f"rank lines must be numbered 0..n-1, got {sorted(ranks)}")
-        return cls(
-            name=fields["schedule"],
-            n_microbatches=int(fields["microbatches"]),
-            stage_to_rank=stage_to_rank,
-            rank_actions=tuple(ranks[r] for r in range(len(ranks))),
-        )
+        """Parse :meth:`to_text` output; lines starting with ``#`` and blank lines are ignored.
+
+        Raises:
+            ValueError: naming the line of an unknown field or a malformed rank line, or the missing fields.
+        """
+        from .text_form import parse_schedule_text
+
+        name, n_microbatches, stage_to_rank, rank_lines = parse_schedule_text(text)
+        ranks = tuple(tuple(parse_action(tok) for tok in line) for line in rank_lines)
+        return cls(name=name, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank, rank_actions=ranks)
+
+    # -- PyTorch's schedule CSV (torch.distributed.pipelining, torchtitan) ---------------------------------
+
+    @classmethod
+    def from_csv(
+        cls, text: str, *, n_microbatches: int | None = None, name: str = "csv", comms: str = "refuse"
+    ) -> Schedule:
+        """Read PyTorch's schedule CSV (:mod:`~splitgrad.pipeline.ir.torch_csv` gives the format).
+
+        Args:
+            text: the file's content: one row per rank, PyTorch's ``I`` is splitgrad's ``B``, its ``B`` our ``BW``.
+            n_microbatches: microbatches per step (default: the largest index in the file, plus one).
+            name: the schedule's name.
+            comms: ``"refuse"`` (default) raises on communication/FSDP cells; ``"drop"`` leaves them out.
+
+        Raises:
+            ValueError: an unknown cell (naming rank, column, text), a stage in two rows, a stage index no row
+                uses, no action at all, or a bad ``comms``. Check the result with ``splitgrad.pipeline.validate``.
+        """
+        from .torch_csv import csv_to_action_rows, placement_of
+
+        rows = csv_to_action_rows(text, comms=comms)
+        stage_to_rank, microbatches = placement_of(rows)
+        ranks = tuple(tuple(parse_action(a) for a in row) for row in rows)
+        return cls(name, microbatches if n_microbatches is None else n_microbatches, stage_to_rank, ranks)
+
+    def to_csv(self) -> str:
+        """PyTorch's ``compute_only`` schedule CSV of this schedule; :meth:`from_csv` reads it back.
+
+        Raises:
+            ValueError: the schedule has gradient-sync points (``R``/``RF``): strip them first.
+        """
+        from .torch_csv import action_rows_to_csv
+
+        return action_rows_to_csv([[a.name for a in acts] for acts in self.rank_actions])
 
     def __repr__(self) -> str:
         return (

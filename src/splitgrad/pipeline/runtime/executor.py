@@ -84,6 +84,11 @@ class StageExecutor:
         if self.meter is not None:
             self.meter.reset()
 
+    @property
+    def peak_activation_bytes(self) -> int | None:
+        """The step's activation peak in bytes (:class:`~.recording.ActivationMeter`); None when not tracked."""
+        return None if self.meter is None else self.meter.peak
+
     def step_losses(self) -> list[torch.Tensor]:
         """Every microbatch's detached loss in order (empty unless this rank holds the last stage)."""
         if self.last_stage not in self.stages:

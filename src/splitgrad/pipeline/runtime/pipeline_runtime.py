@@ -22,13 +22,14 @@ from ..ir.validate import validate
 from ..timeline.events import TimelineEvent
 from ..timeline.report import timeline_report
 from ._interpreter import Interpreter
+from ._lifecycle import Lifecycle
 from ._stages import LocalStages
 from .comm import PipelineComm
 from .executor import LossFn, StageExecutor
 from .handlers import Handler, HandlerContext, default_handlers
 from .recording import ActivationMeter, TimelineRecorder, gather_events
 from .result import StepResult, mean_loss
-from .setup import check_same_layout, lower_schedule, resolve_pipeline_rank
+from .setup import check_options, check_same_layout, lower_schedule, resolve_pipeline_rank
 
 __all__ = ["PipelineRuntime"]
 
@@ -87,10 +88,7 @@ class PipelineRuntime:
         prefetch_depth: int = 2,
         check_schedule: bool = True,
     ) -> None:
-        if not timeout > 0:
-            raise ValueError(f"PipelineRuntime: timeout must be positive seconds, got {timeout=}")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"PipelineRuntime: prefetch_depth must be an int >= 1, got {prefetch_depth=}")
+        check_options(timeout=timeout, prefetch_depth=prefetch_depth)
         if check_schedule:
             validate(schedule)
         self.rank = resolve_pipeline_rank(schedule, rank=rank, pp_group=pp_group, who="PipelineRuntime")
@@ -99,14 +97,13 @@ class PipelineRuntime:
         self._pp_group = GroupRef(pp_group, owner="PipelineRuntime.pp_group")
         self.loss_fn, self.timeout, self.broadcast_loss = loss_fn, float(timeout), broadcast_loss
         self._local = LocalStages(schedule, self.rank, stages, device)
-        self.stages, self.grad_sync = self._local.modules, self._local.grad_sync
-        self.device = self._local.device
+        local = self._local
+        self.stages, self.grad_sync, self.device = local.modules, local.grad_sync, local.device
         self.last_stage = schedule.n_stages - 1
         self._distributed = dist.is_available() and dist.is_initialized() and schedule.n_ranks > 1
         if prefetch is None and self._distributed:
             prefetch = dist.get_backend(pp_group) == "gloo"
-        self._prefetch = bool(prefetch)
-        self.prefetch_depth = prefetch_depth
+        self._prefetch, self.prefetch_depth = bool(prefetch), prefetch_depth
         self.recorder = TimelineRecorder(self.rank, enabled=record_timeline)
         self.executor = StageExecutor(
             self.stages, n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches, loss_fn=loss_fn,
@@ -114,14 +111,10 @@ class PipelineRuntime:
         )  # fmt: skip
         #: The kind -> handler table every action goes through (replace an entry to instrument one kind).
         self.handlers: dict[ActionKind, Handler] = default_handlers()
-        #: Set by :func:`~splitgrad.pipeline.build_runtime` for ``schedule="zb-auto"``/``"auto"``: profiles the
-        #: first steps, then installs a plan (:class:`~splitgrad.pipeline.runtime.autoplan.ProfileGuidedPlanner`).
+        #: Set by build_runtime for ``"zb-auto"``/``"auto"`` (:class:`~.autoplan.ProfileGuidedPlanner`).
         self.planner: Any = None
         self.comm: PipelineComm | None = None
-        # Set when a distributed step fails: receives it posted may still be pending in the backend and would
-        # take the next step's messages, so the runtime refuses to run again.
-        self._failed: str | None = None
-        self._closed = False
+        self._lifecycle = Lifecycle(f"PipelineRuntime (pipeline rank {self.rank})")
         self.install_schedule(schedule, check=False)
 
     def install_schedule(self, schedule: Schedule, *, check: bool = True) -> None:
@@ -161,20 +154,11 @@ class PipelineRuntime:
                 weight-gradient work is pending in the stages before the step.
             ValueError: bad inputs/targets, or stage outputs that change shape between microbatches.
         """
-        if self._closed:
-            raise RuntimeError(f"PipelineRuntime (pipeline rank {self.rank}): step() after close()")
-        if self._failed is not None:
-            raise RuntimeError(
-                f"PipelineRuntime (pipeline rank {self.rank}): a previous step failed ({self._failed}); messages "
-                "it posted may still be in flight, so this runtime cannot run again. Tear down the process "
-                "groups and build a new one"
-            )
+        self._lifecycle.check_can_step()
         self.executor.begin_step(inputs, targets)
         self._local.check_no_pending_wgrad("the start of PipelineRuntime.step")
         if self.comm is not None:
-            self.comm.begin_step()
-            if self.recorder.enabled:
-                self.comm.barrier()
+            self.comm.begin_step(barrier=self.recorder.enabled)
         cpu_start = time.thread_time()
         self.recorder.start()
         try:
@@ -191,12 +175,11 @@ class PipelineRuntime:
             self.executor.abort()
             if self.comm is not None:
                 self.comm.abort()
-                self._failed = f"{type(exc).__name__} at action {self._interpreter.current}"
+                self._lifecycle.fail(exc, where=str(self._interpreter.current))
             raise
-        meter = self.executor.meter
         result = StepResult(
             loss=loss, microbatch_losses=losses, events=list(self.recorder.events), duration=duration,
-            peak_activation_bytes=None if meter is None else meter.peak, w_tasks=self.executor.w_tasks,
+            peak_activation_bytes=self.executor.peak_activation_bytes, w_tasks=self.executor.w_tasks,
             comm=None if self.comm is None else self.comm.last_stats,
             runtime_cpu=step_cpu - self._interpreter.action_cpu, action_cpu=self._interpreter.action_cpu,
         )  # fmt: skip
@@ -206,11 +189,9 @@ class PipelineRuntime:
         return result
 
     def reset_shapes(self) -> None:
-        """Let the next step's boundary tensors have new shapes (every pipeline rank must call it).
-
-        The first step agrees each channel's shape and dtype through a small header; later steps reuse it, so
-        that every receive is posted ahead of its use. A step whose stage output differs from it raises a
-        ``ValueError`` naming the action unless this was called first.
+        """Let the next step's boundary tensors have new shapes (every pipeline rank must call it): the first
+        step agrees each channel's shape and dtype in a header, later steps reuse it (receives are posted ahead)
+        and raise a ``ValueError`` naming the action for a stage output of another shape unless this was called.
         """
         if self.comm is not None:
             self.comm.reset_shapes()
@@ -228,9 +209,8 @@ class PipelineRuntime:
         context manager) before ``dist.destroy_process_group()``; a runtime that is simply dropped releases
         the same, when it is garbage-collected. Idempotent; afterwards :meth:`step` raises.
         """
-        if self._closed:
+        if not self._lifecycle.close():
             return
-        self._closed = True
         if self.comm is not None:
             self.comm.abort()
         self.comm = self._ctx.comm = None

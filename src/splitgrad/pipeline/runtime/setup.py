@@ -18,6 +18,14 @@ from ..passes import add_grad_sync, has_grad_sync
 __all__ = ["lower_schedule", "resolve_pipeline_rank"]
 
 
+def check_options(*, timeout: float, prefetch_depth: int) -> None:
+    """Raise ``ValueError`` naming a :class:`~.PipelineRuntime` option that cannot work."""
+    if not timeout > 0:
+        raise ValueError(f"PipelineRuntime: timeout must be positive seconds, got {timeout=}")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        raise ValueError(f"PipelineRuntime: prefetch_depth must be an int >= 1, got {prefetch_depth=}")
+
+
 def resolve_pipeline_rank(
     schedule: Schedule, *, rank: int | None = None, pp_group: dist.ProcessGroup | None = None, who: str
 ) -> int:

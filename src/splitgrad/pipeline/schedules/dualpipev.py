@@ -6,7 +6,14 @@ communication hides behind the other's compute. Here a pair is one
 :class:`~splitgrad.pipeline.ir.actions.OverlapAction` (``"0F3+3BW1"``): the simulator credits ``overlap`` of its shorter
 part (default none), and a runtime hands it to the stage's ``overlapped_forward_backward`` or runs the parts in
 order. ``overlap=False`` writes the pairs as two consecutive actions instead. The start and the tail use split
-backwards with a first-in-first-out queue of pending weight gradients, as DualPipe's ``WeightGradStore`` does.
+backwards with one first-in-first-out queue of pending weight gradients per rank, as DualPipe's
+``WeightGradStore`` does.
+
+The order is DeepSeek's DualPipeV action for action (also torch's ``ScheduleDualPipeV``, checked in the tests),
+including its one exception: the last rank runs its first main-phase forward and backward apart ("we don't
+overlap these two chunks to further reduce bubble size"). ``pair_last_rank_first=True`` pairs them too, as
+splitgrad did before: in the simulator that is up to one forward faster when the overlap hides most of the
+shorter part and messages are free, and slower as soon as a message costs time or the overlap hides little.
 """
 
 from __future__ import annotations
@@ -19,13 +26,17 @@ __all__ = ["dualpipev"]
 
 
 @gc_paused()
-def dualpipev(n_stages: int, n_microbatches: int, *, overlap: bool = True) -> Schedule:
+def dualpipev(
+    n_stages: int, n_microbatches: int, *, overlap: bool = True, pair_last_rank_first: bool = False
+) -> Schedule:
     """DualPipeV over ``n_stages / 2`` ranks; needs ``n_microbatches >= n_stages``.
 
     Args:
         n_stages: model stages (even).
         n_microbatches: microbatches per step.
         overlap: write each main-phase forward/backward pair as one overlapped ``F+BW`` action.
+        pair_last_rank_first: also pair the last rank's first main-phase forward and backward (DeepSeek's
+            DualPipeV runs them apart; see the module docstring for when pairing them is faster).
 
     Raises:
         ValueError: ``n_stages`` odd, or fewer microbatches than stages.
@@ -52,11 +63,12 @@ def dualpipev(n_stages: int, n_microbatches: int, *, overlap: bool = True) -> Sc
             prog.backward(up)
             prog.weight()
             prog.forward(up)
-        # Step 4 (main): nF0B1F1B0, each forward paired with the other stage's full backward
-        for _ in range(m - 2 * p + rank + 1):
+        # Step 4 (main): nF0B1F1B0, each forward paired with the other stage's full backward; the last rank
+        # runs its first pair apart, as DeepSeek's DualPipeV does
+        for i in range(m - 2 * p + rank + 1):
             prog.forward(down)
             prog.full_backward(up)
-            if overlap:
+            if overlap and (i > 0 or rank < p - 1 or pair_last_rank_first):
                 prog.overlap_last_two()
             prog.forward(up)
             prog.full_backward(down)

@@ -78,6 +78,7 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
         n_microbatches: microbatches per step.
         **options: family options: ``split_backward`` (gpipe, 1f1b, interleaved-1f1b), ``stages_per_rank``
             (interleaved-1f1b), ``overlap`` (dualpipev: overlapped ``F+BW`` pairs, default True),
+            ``pair_last_rank_first`` (dualpipev: pair the last rank's first F and BW too, default False),
             ``f``/``b``/``w``/``comm``/``memory_limit``/``w_memory`` (zb-auto; ``memory_limit`` in units of one
             activation ``M_B``, ``w_memory = M_W / M_B`` the paper's memory model); the same for zbv-auto (the
             cost-aware ZB-V, ``memory_limit`` in stage activations, default ``n_stages``).

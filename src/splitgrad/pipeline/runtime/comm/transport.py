@@ -122,9 +122,12 @@ class PipelineComm:
 
     # -- step boundaries ---------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
-        """Start a step: fresh buffers, the channel shapes agreed in earlier steps."""
+    def begin_step(self, *, barrier: bool = False) -> None:
+        """Start a step: fresh buffers, the channel shapes agreed in earlier steps; with ``barrier``, wait for
+        every rank first (:meth:`barrier`: a common time origin for timelines)."""
         self._state = StepState(meta_out=dict(self._known_out), meta_in=dict(self._known_in))
+        if barrier:
+            self.barrier()
 
     def reset_shapes(self) -> None:
         """Forget the agreed channel shapes: the next step exchanges headers again (every rank must call it)."""

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.rendezvous import rendezvous
 
 import splitgrad
 from splitgrad.pipeline import build_runtime
@@ -92,8 +93,18 @@ def write(root: str) -> None:
 def restart(root: str) -> None:
     from splitgrad.pipeline.checkpoint import PipelineCheckpointer
 
-    attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # torchrun's store outlives a restart, and the dead attempt's keys with it (the gloo ranks' addresses):
+    # a restarted rank could read its peer's old address before the new one is set, and fail to connect
+    # (seen here as "connectFullMesh ... Connection refused" in the second attempt). Keys of an attempt of its own.
+    store, rank, world = next(rendezvous("env://"))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+    )
     stages = _model(2)
     rt = build_runtime(
         stages, "1f1b", n_microbatches=2, loss_fn=F.mse_loss, timeout=TIMEOUT, record_timeline=False

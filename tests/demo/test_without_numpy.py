@@ -54,4 +54,7 @@ def test_demo_runs_without_numpy_or_matplotlib(tmp_path):
     assert "| 1f1b | 2 |" in proc.stdout and "| zb-h1 | 2 |" in proc.stdout
     assert "max |loss difference| 1f1b vs zb-h1 over 2 steps: 0.00e+00" in proc.stdout
     assert "matplotlib is not installed" in proc.stdout
-    assert {p.name for p in out.iterdir()} == {"timeline_1f1b.json", "timeline_zb-h1.json"}
+    # The JSON outputs only: timelines and the per-step metrics (no pictures without matplotlib).
+    assert {p.name for p in out.iterdir()} == {
+        "timeline_1f1b.json", "timeline_zb-h1.json", "metrics_1f1b.jsonl", "metrics_zb-h1.jsonl"
+    }  # fmt: skip

@@ -87,12 +87,36 @@ def check_config(cfg: DemoConfig) -> None:
         num_layers=cfg.num_layers,
         num_heads=cfg.num_heads,
     )
+    _check_checkpoint_options(cfg)
     held_out = cfg.max_chars - int(cfg.max_chars * 0.9)  # load_char_corpus keeps a 10 % validation tail
     if held_out <= cfg.seq_len:
         raise ValueError(
             f"--max-chars {cfg.max_chars} is too small for --seq-len {cfg.seq_len} "
             f"(the 10 % validation tail must be longer than a sequence): use --max-chars > {10 * (cfg.seq_len + 1)}"
         )
+
+
+def _check_checkpoint_options(cfg: DemoConfig) -> None:
+    if cfg.checkpoint_every and cfg.checkpoint_dir is None:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every} needs --checkpoint-dir")
+    if cfg.resume == "latest" and cfg.checkpoint_dir is None:
+        raise ValueError("--resume without a PATH resumes from --checkpoint-dir: give one, or --resume PATH")
+    if cfg.resume not in (None, "latest"):
+        if len(cfg.schedules) != 1:
+            raise ValueError(
+                f"--resume {cfg.resume} is one checkpoint: train one schedule with it, got --schedules "
+                f"{','.join(cfg.schedules)}"
+            )
+        if not Path(cfg.resume).is_dir():
+            raise ValueError(f"--resume {cfg.resume}: no such checkpoint folder")
+    if (cfg.checkpoint_dir is not None or cfg.resume is not None) and cfg.ranks > 1:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "checkpoints need numpy on several ranks (torch.distributed.checkpoint's object collectives "
+                "use it): pip install numpy"
+            ) from None
 
 
 def check_out_dir(out: str) -> None:

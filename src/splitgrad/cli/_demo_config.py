@@ -41,7 +41,14 @@ class DemoConfig:
     seed: int = 0
     """Seed of the initial weights and of the batch order."""
     out: str = "out/demo"
-    """Folder for timelines, traces and the loss curve."""
+    """Folder for timelines, traces, the loss curve and ``metrics_<schedule>.jsonl`` (one line per step)."""
+    checkpoint_dir: str | None = None
+    """Folder of the checkpoints (``<dir>/<schedule>/step_<k>``); None: no checkpoints."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps (and after the last); 0: after the last step only."""
+    resume: str | None = None
+    """``"latest"``: continue from the newest complete checkpoint under ``checkpoint_dir`` (from step 0 when
+    there is none, so the same command also starts the job); or the folder of one checkpoint."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -60,6 +67,7 @@ class DemoConfig:
             "threads": self.threads >= 1,
             "timeout": self.timeout > 0,
             "seed": self.seed >= 0,
+            "checkpoint_every": self.checkpoint_every >= 0,
             "schedules": len(self.schedules) >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]

@@ -22,6 +22,7 @@ from ..models import GPT, GPTConfig, lm_loss, load_char_corpus, split_into_stage
 from ..pipeline import build_runtime
 from ._demo_checks import stages_for
 from ._demo_config import DemoConfig
+from ._demo_resume import MetricsLog, data_state, open_checkpoints
 
 __all__ = ["stages_for", "train_all"]
 
@@ -58,10 +59,14 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
     optimizer = torch.optim.AdamW(runtime.parameters(), lr=cfg.lr)
     for stage in runtime.stages.values():
         guard_optimizer(optimizer, stage)
-    losses, durations, peak_act = [], [], 0
+    checkpointer, done, generator = open_checkpoints(cfg, schedule, runtime, model, optimizer, rank)
+    metrics = MetricsLog(cfg.out, schedule, resumed_at=done, enabled=rank == 0)
+    losses = [r["loss"] for r in metrics.kept]
+    durations, peak_act = [], 0
     tokens_per_step = cfg.batch_size * cfg.seq_len
     result = None
-    for step, (inputs, targets) in enumerate(corpus.train.batches(cfg.batch_size, cfg.steps, seed=cfg.seed)):
+    for step in range(done + 1, cfg.steps + 1):
+        inputs, targets = corpus.train.get_batch(cfg.batch_size, generator=generator)
         start = time.perf_counter()
         runtime.zero_grad()
         result = runtime.step(inputs.to(device), targets.to(device))
@@ -69,14 +74,25 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
         durations.append(time.perf_counter() - start)
         losses.append(float(result.loss))
         peak_act = max(peak_act, result.peak_activation_bytes or 0)
-        if rank == 0 and (step % 5 == 0 or step == cfg.steps - 1):
+        record = {
+            "step": step, "loss": losses[-1], "step_time_s": durations[-1],
+            "tokens_per_s": tokens_per_step / durations[-1],
+        }  # fmt: skip
+        if _checkpoint_due(cfg, step):
+            saved = checkpointer.save(step, extra={"data": data_state(generator, step)}, async_save=True)
+            record["checkpoint_s"] = saved.blocking_s
+        metrics.write(**record)
+        if rank == 0 and (step % 5 == 0 or step == cfg.steps or step == done + 1):
             print(
-                f"  [{schedule}] step {step + 1:>3}/{cfg.steps}  loss {losses[-1]:.4f}  "
+                f"  [{schedule}] step {step:>3}/{cfg.steps}  loss {losses[-1]:.4f}  "
                 f"{tokens_per_step / durations[-1]:,.0f} tokens/s",
                 flush=True,
             )
+    if checkpointer is not None:
+        checkpointer.close()  # waits for the last write and publishes it
     out = Path(cfg.out)
-    report = runtime.timeline_report(result, out / f"timeline_{schedule}")  # the last step's timeline
+    # The last step's timeline (none when the run resumed after its last step).
+    report = None if result is None else runtime.timeline_report(result, out / f"timeline_{schedule}")
     # A tensor collective, not all_gather_object: that one needs numpy, which a plain `pip install` lacks.
     mine = torch.tensor([peak_act / 2**20, _max_rss_mib()], dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(cfg.ranks)]
@@ -85,7 +101,7 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
     # Release the process groups now, not whenever the runtime is collected: the caller destroys them next.
     runtime.close()
     # Steady state: skip the first steps (allocator warm-up, first-touch of buffers).
-    steady = durations[min(3, len(durations) - 1) :]
+    steady = durations[min(3, len(durations) - 1) :] or [float("nan")]
     return {
         "schedule": schedule,
         "n_stages": n_stages,
@@ -95,6 +111,13 @@ def _train_one(cfg: DemoConfig, schedule: str, corpus, rank: int, device: torch.
         "report": report,
         "per_rank": per_rank,
     }
+
+
+def _checkpoint_due(cfg: DemoConfig, step: int) -> bool:
+    """Whether the run saves after ``step`` (only with ``--checkpoint-dir``: ``--resume PATH`` alone saves nothing)."""
+    if cfg.checkpoint_dir is None:
+        return False
+    return step == cfg.steps or bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
 
 
 def train_all(rank: int, world_size: int, cfg_fields: dict[str, Any]) -> int:
@@ -136,14 +159,16 @@ def _print_summary(cfg: DemoConfig, runs: list[dict[str, Any]]) -> None:
     for r in runs:
         act = " / ".join(f"{p['activation_mib']:.1f}" for p in r["per_rank"])
         rss = " / ".join(f"{p['max_rss_mib']:.0f}" for p in r["per_rank"])
+        final = f"{r['losses'][-1]:.4f}" if r["losses"] else "-"
         print(
-            f"| {r['schedule']} | {r['n_stages']} | {r['losses'][-1]:.4f} | {r['step_s']:.3f} | "
+            f"| {r['schedule']} | {r['n_stages']} | {final} | {r['step_s']:.3f} | "
             f"{r['tokens_per_s']:,.0f} | {act} | {rss} |"
         )
     print()
     for r in runs:
-        print(r["report"])
-    if len(runs) > 1:
+        if r["report"]:
+            print(r["report"])
+    if len(runs) > 1 and all(r["losses"] for r in runs):
         base = runs[0]["losses"]
         for r in runs[1:]:
             diff = max(abs(a - b) for a, b in zip(base, r["losses"]))

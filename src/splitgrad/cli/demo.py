@@ -88,6 +88,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", default=defaults.out, help="output folder")
     parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints under this folder (<dir>/<schedule>/step_<k>, torch.distributed.checkpoint)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=non_negative_int,
+        default=defaults.checkpoint_every,
+        help="checkpoint every N steps and after the last one (0: after the last one only)",
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint under --checkpoint-dir (from step 0 when there is "
+        "none, so the same command restarts a job), or from the checkpoint folder PATH",
+    )
+    parser.add_argument(
         "--moe", action="store_true", help="train an MoE GPT with expert parallelism instead (see --ep)"
     )
     parser.add_argument("--ep", type=positive_int, default=2, help="expert-parallel ranks (with --moe)")

@@ -8,6 +8,8 @@ from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .registry import build_schedule, schedule_names, schedule_options
+from .v_half import v_half
+from .v_min import v_min
 from .zbv import zbv
 from .zbv_auto import ZbvCandidate, zbv_auto, zbv_auto_candidates
 from .zero_bubble import zb_h1, zb_h2
@@ -24,6 +26,8 @@ __all__ = [
     "one_f_one_b",
     "schedule_names",
     "schedule_options",
+    "v_half",
+    "v_min",
     "zb_auto",
     "zb_h1",
     "zb_h2",

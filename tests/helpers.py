@@ -17,7 +17,15 @@ from torch import nn
 
 import splitgrad
 
-__all__ = ["attach_main_grad", "destroyed_group", "fused_weights", "grads", "make_graphed", "one_rank_group"]
+__all__ = [
+    "attach_main_grad",
+    "destroyed_group",
+    "expect_error",
+    "fused_weights",
+    "grads",
+    "make_graphed",
+    "one_rank_group",
+]
 
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -126,3 +134,18 @@ def destroyed_group(make_holders):
     dist.destroy_process_group(ref())
     gc.collect()
     return ref, holders
+
+
+def expect_error(exc_type: type[BaseException], text: str, fn) -> None:
+    """Call ``fn()``; raise ``AssertionError`` unless it raises ``exc_type`` with ``text`` in its message.
+
+    For checks that run inside spawned ranks, where ``pytest.raises`` cannot be used (its failure is a
+    ``BaseException`` the ranks' check runners do not report).
+    """
+    try:
+        fn()
+    except exc_type as exc:
+        if text not in str(exc):
+            raise AssertionError(f"expected {exc_type.__name__} mentioning {text!r}, got: {exc}") from exc
+    else:
+        raise AssertionError(f"expected {exc_type.__name__} mentioning {text!r}; nothing was raised")

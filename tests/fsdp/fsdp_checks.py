@@ -8,14 +8,13 @@ losses, which is what FSDP2's reduce-scatter divides to).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import splitgrad
 from splitgrad.parallel import FSDPStage, defer_fsdp_reduction, fsdp_reduction_handle
+from tests.helpers import expect_error
 
 F64 = torch.float64
 D = 8
@@ -210,13 +209,13 @@ def check_errors(rank: int, world: int) -> None:
     splitgrad.discard_wgrad(model)
     fused = nn.Sequential(splitgrad.Linear(D, D, delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
     fully_shard(fused)
-    _expect(ValueError, "fuse_wgrad_accumulation", lambda: defer_fsdp_reduction(fused))
-    _expect(ValueError, "no fully_shard", lambda: defer_fsdp_reduction(build(True)))
+    expect_error(ValueError, "fuse_wgrad_accumulation", lambda: defer_fsdp_reduction(fused))
+    expect_error(ValueError, "no fully_shard", lambda: defer_fsdp_reduction(build(True)))
     twice = shard_model(build(True))
     defer_fsdp_reduction(twice)
-    _expect(ValueError, "already set up", lambda: defer_fsdp_reduction(twice))
-    _expect(ValueError, "mode=", lambda: defer_fsdp_reduction(shard_model(build(True)), mode="later"))
-    _expect(ValueError, "reduction=", lambda: FSDPStage(shard_model(build(True)), reduction="later"))
+    expect_error(ValueError, "already set up", lambda: defer_fsdp_reduction(twice))
+    expect_error(ValueError, "mode=", lambda: defer_fsdp_reduction(shard_model(build(True)), mode="later"))
+    expect_error(ValueError, "reduction=", lambda: FSDPStage(shard_model(build(True)), reduction="later"))
 
 
 def check_finish_and_async_modes(rank: int, world: int) -> None:
@@ -257,16 +256,6 @@ def check_finish_and_async_modes(rank: int, world: int) -> None:
             ):
                 raise AssertionError(f"{what}: reduce-scatter events {events}")
             handle.remove()
-
-
-def _expect(exc_type: type, text: str, fn: Callable[[], object]) -> None:
-    try:
-        fn()
-    except exc_type as exc:
-        if text not in str(exc):
-            raise AssertionError(f"expected {text!r} in {exc!r}") from exc
-    else:
-        raise AssertionError(f"expected {exc_type.__name__} with {text!r}")
 
 
 def meta_model(delay: bool) -> nn.Sequential:

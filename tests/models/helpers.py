@@ -13,34 +13,25 @@ from splitgrad.models import GPT, GPTConfig, MoEConfig, lm_loss
 RTOL, ATOL = 1e-10, 1e-12
 
 
+#: The tiny shape every model test shares (float64: the twins differ from the models only in rounding).
+_SHAPE = {
+    "vocab_size": 37,
+    "seq_len": 16,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 4,
+    "ffn_hidden_size": 48,
+    "params_dtype": torch.float64,
+}
+
+
 def gpt_config(**overrides) -> GPTConfig:
-    base = {
-        "vocab_size": 37,
-        "seq_len": 16,
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_heads": 4,
-        "ffn_hidden_size": 48,
-        "params_dtype": torch.float64,
-    }
-    return GPTConfig(**{**base, **overrides})
+    return GPTConfig(**{**_SHAPE, **overrides})
 
 
 def moe_config(**overrides) -> MoEConfig:
-    base = {
-        "vocab_size": 37,
-        "seq_len": 16,
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_heads": 4,
-        "ffn_hidden_size": 48,
-        "moe_ffn_hidden_size": 24,
-        "num_experts": 4,
-        "top_k": 2,
-        "aux_loss_coef": 0.1,
-        "params_dtype": torch.float64,
-    }
-    return MoEConfig(**{**base, **overrides})
+    experts = {"moe_ffn_hidden_size": 24, "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.1}
+    return MoEConfig(**{**_SHAPE, **experts, **overrides})
 
 
 def build(cls: type[GPT], config: GPTConfig, seed: int = 0) -> GPT:

@@ -530,14 +530,15 @@ class _Stall(_Explode):
         return x
 
 
-def failure_worker(rank: int, world: int, mode: str, failing_rank: int) -> str:
-    """1F1B on an MLP; ``failing_rank`` raises (``mode="raise"``) or stalls (``"stall"``) in its 2nd forward."""
+def failure_worker(rank: int, world: int, mode: str, failing_rank: int, timeout: float = 2.0) -> str:
+    """1F1B on an MLP; ``failing_rank`` raises (``mode="raise"``) or stalls (``"stall"``) in its 2nd forward;
+    ``timeout``: the runtime's bound on each wait."""
     torch.manual_seed(0)
     blocks = [nn.Linear(4, 4, dtype=torch.float64) for _ in range(world)]
     stages = [nn.Sequential(b) for b in blocks]
     if rank == failing_rank:
         stages[rank].append(_Explode(2) if mode == "raise" else _Stall(2))
-    rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=2.0)
+    rt = build_runtime(stages, "1f1b", n_microbatches=4, loss_fn=F.mse_loss, timeout=timeout)
     x = torch.randn(8, 4, dtype=torch.float64)
     try:
         rt.step(x, x)

@@ -29,13 +29,7 @@ def pp_tp_worker(rank: int, world: int, schedules: list[str]) -> dict:
     m = 4
     for name in schedules:
         schedule, sp = name.removesuffix(" sp"), name.endswith(" sp")
-        torch.manual_seed(0)
-        full = GPT(GPTConfig(**common))
-        with torch.no_grad():
-            for p in full.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        model = GPT(GPTConfig(**common, tp_size=2, sequence_parallel=sp), tp_group=groups.tp_group)
-        model.load_state_dict(shard_gpt_state_dict(full.state_dict(), model.config, groups.tp_rank, 2))
+        full, model = _full_and_sharded(groups, common, sp)
         ids, tgt = token_batch(m, seed=100)
         ref_loss, ref = gpt_reference(full, ids.split(MB), tgt.split(MB))
         ref = shard_gpt_state_dict(ref, model.config, groups.tp_rank, 2)
@@ -72,13 +66,7 @@ def tp_dp_check(groups, common: dict, sp: bool = False) -> dict:
     With ``sp`` the GPT is sequence parallel and the partial gradients are summed over the TP group after the
     data-parallel sync (in ``main_grad``).
     """
-    torch.manual_seed(0)
-    full = GPT(GPTConfig(**common))
-    with torch.no_grad():
-        for p in full.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model = GPT(GPTConfig(**common, tp_size=2, sequence_parallel=sp), tp_group=groups.tp_group)
-    model.load_state_dict(shard_gpt_state_dict(full.state_dict(), model.config, groups.tp_rank, 2))
+    full, model = _full_and_sharded(groups, common, sp)
     ddp = DDP(model, process_group=groups.outer_group, grad_reduce_dtype=None, bucket_size=2000, timeout=120)
     batches = [token_batch(1, seed=200 + d) for d in range(2)]
     ids, tgt = batches[groups.outer_rank]
@@ -99,3 +87,15 @@ def tp_dp_check(groups, common: dict, sp: bool = False) -> dict:
     ]
     return {"bad": bad, "loss": ref_loss.item(), "ref_loss": ref_loss.item(), "w_tasks": 1,
             "checked": sum(1 for _ in model.parameters()), "reduced": reduced}  # fmt: skip
+
+
+def _full_and_sharded(groups, common: dict, sp: bool) -> tuple[GPT, GPT]:
+    """The seeded, jittered tp=1 GPT and its tp=2 twin holding this rank's shards."""
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(**common))
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model = GPT(GPTConfig(**common, tp_size=2, sequence_parallel=sp), tp_group=groups.tp_group)
+    model.load_state_dict(shard_gpt_state_dict(full.state_dict(), model.config, groups.tp_rank, 2))
+    return full, model

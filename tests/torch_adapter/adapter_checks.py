@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (
 import splitgrad
 from splitgrad.pipeline.torch_adapter import SplitgradPipelineStage, splitgrad_pipeline_stage
 from splitgrad.testing import assert_grads_close
+from tests.helpers import expect_error
 
 F64 = torch.float64
 HIDDEN, FFN = 8, 16
@@ -285,20 +286,20 @@ def skipped_w_is_visible_and_refused(rank: int, world: int, group: dist.ProcessG
     try:
         if target.pending_microbatches != (1,):
             raise AssertionError(f"expected microbatch 1 owed, got {target.pending_microbatches}")
-        _expect_raises(lambda: splitgrad.ensure_no_pending_wgrad(target.submod), "still pending")
+        expect_error(RuntimeError, "still pending", lambda: splitgrad.ensure_no_pending_wgrad(target.submod))
         _, ref = reference(x, y)
         stage0 = {b: held[b] for b in (0, 1)}  # stage 0 holds blocks 0 and 1; stage 1 ran all its W's
         got = local_grads(stage0)
         # Not trivially passing: the comparison rejects the gradient missing one microbatch ...
-        _expect_raises(
-            lambda: assert_grads_close(got, expected_for(stage0, ref), rtol=1e-13, atol=1e-15),
-            "",
+        expect_error(
             AssertionError,
+            "",
+            lambda: assert_grads_close(got, expected_for(stage0, ref), rtol=1e-13, atol=1e-15),
         )
         # ... and accepts it against the reference without that microbatch.
         _, ref_drop = reference(x, y, drop=1)
         assert_grads_close(got, expected_for(stage0, ref_drop), rtol=1e-13, atol=1e-15, what="drop 1")
-        _expect_raises(lambda: step(sched, (True, True), x, y), "never ran")
+        expect_error(RuntimeError, "never ran", lambda: step(sched, (True, True), x, y))
     finally:
         _discard_owed(stages)
 
@@ -313,12 +314,12 @@ def misuse_is_refused(rank: int, world: int, group: dist.ProcessGroup) -> None:
     )
     fused[0].weight.main_grad = torch.zeros_like(fused[0].weight)
     stage = splitgrad_pipeline_stage(fused, 0, 1, "cpu", group=group)
-    _expect_raises(lambda: stage.scale_grads(4), "scale_grads=False")
+    expect_error(RuntimeError, "scale_grads=False", lambda: stage.scale_grads(4))
     stage.scale_grads(1)  # no scaling asked: nothing to refuse
     plain = nn.Sequential(splitgrad.Linear(HIDDEN, HIDDEN, delay_wgrad_compute=True, params_dtype=F64))
     ddp = nn.parallel.DistributedDataParallel(plain, process_group=group)
-    _expect_raises(
-        lambda: splitgrad_pipeline_stage(ddp, 0, 1, "cpu", group=group), "DistributedDataParallel", ValueError
+    expect_error(
+        ValueError, "DistributedDataParallel", lambda: splitgrad_pipeline_stage(ddp, 0, 1, "cpu", group=group)
     )
 
 
@@ -329,16 +330,6 @@ ONE_RANK = [
     skipped_w_is_visible_and_refused,
     misuse_is_refused,
 ]
-
-
-def _expect_raises(fn: Callable[[], object], text: str, kind: type[Exception] = RuntimeError) -> None:
-    try:
-        fn()
-    except kind as exc:
-        if text not in str(exc):
-            raise AssertionError(f"expected {kind.__name__} mentioning {text!r}, got: {exc}") from exc
-    else:
-        raise AssertionError(f"expected {kind.__name__} mentioning {text!r}; nothing was raised")
 
 
 def _discard_owed(stages: list[SplitgradPipelineStage]) -> None:

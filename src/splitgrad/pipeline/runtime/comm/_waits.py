@@ -1,19 +1,26 @@
 """Bounded waits of one rank's pipeline traffic: every wait has a deadline and says whom it waited for.
 
-A peer that crashed or hangs must not hang this rank: each wait uses ``work.wait(timeout)``, and a timeout or a
-failed transfer becomes a ``RuntimeError`` naming this rank (and its global rank), what it waited for and for
-which action. The transport waits its messages here; the runtime its step barrier and loss broadcast.
+A peer that crashed or hangs must not hang this rank: each wait goes through
+:func:`splitgrad.distributed.wait.bounded_wait` (the one bounded wait of the library), so a timeout or a failed
+transfer becomes a ``RuntimeError`` naming this pipeline rank (and its global rank), what it waited for and for
+which action, and the limit. This class adds what only the pipeline needs: a deadline shared by several waits
+and the timeline's record of each wait. The transport waits its messages here; the runtime its step barrier
+and loss broadcast.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ....distributed.wait import bounded_wait
+
 __all__ = ["BoundedWaits"]
+
+# A pipeline wait fails when the peer crashed (its own error says why) or stalls (it is killed by the launcher).
+_PEER_HINT = "did that rank crash or stall? its own error, if any, says why"
 
 
 class BoundedWaits:
@@ -68,16 +75,7 @@ class BoundedWaits:
             raise RuntimeError(f"pipeline rank {self.rank}: internal error, nothing was posted for {what}")
         budget = self.timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
         start = time.perf_counter()
-        try:
-            finished = work.wait(datetime.timedelta(seconds=budget))
-        except Exception as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise self._timeout_error(what, budget) from exc
-            raise RuntimeError(
-                f"{self.who()}: failed waiting for {what} (did that rank crash?): {exc}"
-            ) from exc
-        if finished is False:
-            raise self._timeout_error(what, budget)
+        bounded_wait(work, f"{self.who()}: waiting for {what}", timeout=budget, hint=_PEER_HINT)
         if label is not None and self._on_wait is not None:
             self._on_wait(label, start, time.perf_counter())
 
@@ -94,9 +92,6 @@ class BoundedWaits:
                 f"pipeline rank {self.rank}: could not start {what} (did a rank crash?): {exc}"
             ) from exc
         self.wait(work, what)
-
-    def _timeout_error(self, what: str, budget: float) -> RuntimeError:
-        return RuntimeError(f"{self.who()}: timed out after {budget:.3g}s waiting for {what}")
 
 
 def completed(work: dist.Work) -> bool:

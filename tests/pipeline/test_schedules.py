@@ -47,7 +47,7 @@ def test_registry_names():
         "v-half",
         "v-min",
     }
-    assert schedule_options("interleaved-1f1b") == ("stages_per_rank", "split_backward")
+    assert schedule_options("interleaved-1f1b") == ("stages_per_rank", "split_backward", "overlap")
     assert schedule_options("zb-h1") == ()
 
 

@@ -46,15 +46,30 @@ def test_every_family_has_a_point_in_rank_units(front):
 def test_pareto_front_is_exactly_the_undominated_points(front):
     for pt in front.points:
         beaten = any(
-            o.peak_memory <= pt.peak_memory and o.bubble_ratio <= pt.bubble_ratio
-            and (o.peak_memory < pt.peak_memory or o.bubble_ratio < pt.bubble_ratio)
+            o.peak_memory <= pt.peak_memory and o.step_bubble <= pt.step_bubble
+            and (o.peak_memory < pt.peak_memory or o.step_bubble < pt.step_bubble)
             for o in front.points
         )  # fmt: skip
         assert pt.pareto is not beaten, pt
     assert front.pareto and front.pareto[0].peak_memory == min(pt.peak_memory for pt in front.points)
     # Not trivially passing: a point worse on both axes is marked off the front.
-    marked = _mark_pareto([FrontierPoint("a", 1, 1.0, 0.5, 1.0), FrontierPoint("b", 1, 2.0, 0.6, 1.0)])
+    marked = _mark_pareto(
+        [FrontierPoint("a", 1, 1.0, 0.5, 1.0, 0.5), FrontierPoint("b", 1, 2.0, 0.6, 1.0, 0.6)]
+    )
     assert [x.pareto for x in marked] == [True, False]
+    # The front is on the step bubble, not the paper's ratio: "b" is ahead on the latter only.
+    marked = _mark_pareto(
+        [FrontierPoint("a", 1, 1.0, 0.5, 1.0, 0.2), FrontierPoint("b", 1, 2.0, 0.1, 1.2, 0.3)]
+    )
+    assert [x.pareto for x in marked] == [True, False]
+
+
+def test_step_bubble_is_the_idle_share_of_the_step(front):
+    work = M * sum(COSTS.values())  # per rank, in every family (a V stage costs half, twice)
+    for pt in front.points:
+        assert pt.step_bubble == pytest.approx(1 - work / pt.makespan), pt
+        # The paper's ratio leaves out the wait for the first input, so it is never the larger.
+        assert pt.bubble_ratio <= pt.step_bubble + 1e-12, pt
 
 
 def test_bytes_table_png_and_skipped(tmp_path):

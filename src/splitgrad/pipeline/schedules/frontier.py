@@ -12,6 +12,7 @@ and V-Min's peaks), which is where they add a point of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,11 +43,16 @@ class FrontierPoint:
     """The highest rank's peak activation memory: in bytes with ``activation_bytes``, else in units of one
     microbatch's activations of one rank's layers (``M_B`` of a 1F1B stage; 1F1B holds ``p`` of them)."""
     bubble_ratio: float
-    """The zero-bubble paper's bubble ratio (:attr:`~splitgrad.pipeline.SimulationResult.bubble_ratio`)."""
+    """The zero-bubble paper's bubble ratio (:attr:`~splitgrad.pipeline.SimulationResult.bubble_ratio`): idle
+    share of the longest rank's span, from its first action; a rank's wait for its first input is not in it."""
     makespan: float
     """Simulated step time, in the costs' unit."""
+    step_bubble: float
+    """Idle share of the step on every rank: ``1 - m (f + b + w) / makespan`` (the same work per rank in every
+    family), so comparable across families whose ranks start at different times. The front uses this. With
+    ``overlap > 0`` it may be below 0: overlapped pairs hide part of that work."""
     pareto: bool = False
-    """No other point has lower-or-equal memory and bubble with one of them lower."""
+    """No other point has lower-or-equal memory and step bubble with one of them lower."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,20 +82,20 @@ class Frontier:
         """A Markdown table: one row per point, Pareto points marked, then the skipped families."""
         mem = "peak memory (MiB)" if self.activation_bytes is not None else "peak memory (M_B)"
         lines = [
-            f"| schedule | stages per rank | {mem} | bubble | makespan | Pareto |",
-            "|---|---:|---:|---:|---:|:---:|",
+            f"| schedule | stages per rank | {mem} | step bubble | bubble (paper) | makespan | Pareto |",
+            "|---|---:|---:|---:|---:|---:|:---:|",
         ]
         for pt in self.points:
             shown = pt.peak_memory / 2**20 if self.activation_bytes is not None else pt.peak_memory
             lines.append(
-                f"| {pt.label} | {pt.stages_per_rank} | {shown:.2f} | {pt.bubble_ratio:.4f} | "
+                f"| {pt.label} | {pt.stages_per_rank} | {shown:.2f} | {pt.step_bubble:.4f} | {pt.bubble_ratio:.4f} | "
                 f"{pt.makespan:.6g} | {'yes' if pt.pareto else ''} |"
             )
         lines += [f"\n{label}: skipped ({reason})" for label, reason in self.skipped]
         return "\n".join(lines)
 
     def save_png(self, path: str | Path, *, dpi: int = 120) -> Path:
-        """Scatter plot of the points (memory across, bubble up) with the Pareto front as a step line.
+        """Scatter plot of the points (memory across, step bubble up) with the Pareto front as a step line.
 
         Raises:
             ImportError: matplotlib is not installed (``pip install 'splitgrad[plot]'``).
@@ -103,17 +109,17 @@ class Frontier:
         fig = Figure(figsize=(9.0, 5.5), dpi=dpi)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
-        # Coincident points share one label; labels at the same height alternate above and below.
+        # Coincident points share one label; labels at the same memory alternate above and below.
         spots: dict[tuple[float, float], list[FrontierPoint]] = {}
         for pt in self.points:
-            spots.setdefault((round(pt.peak_memory / scale, 6), round(100 * pt.bubble_ratio, 6)), []).append(
+            spots.setdefault((round(pt.peak_memory / scale, 6), round(100 * pt.step_bubble, 6)), []).append(
                 pt
             )
-        seen_at_height: dict[float, int] = {}
+        seen_at_memory: dict[float, int] = {}
         for (x, y), group in spots.items():
             pareto = any(pt.pareto for pt in group)
             ax.scatter([x], [y], color="tab:blue" if pareto else "tab:gray", zorder=3)
-            k = seen_at_height[y] = seen_at_height.get(y, -1) + 1
+            k = seen_at_memory[x] = seen_at_memory.get(x, -1) + 1
             label = " = ".join(pt.label for pt in group)
             ax.annotate(
                 label, (x, y), textcoords="offset points", xytext=(4, 4 if k % 2 == 0 else -11), fontsize=7
@@ -121,7 +127,7 @@ class Frontier:
         front = self.pareto
         if front:
             xs = [pt.peak_memory / scale for pt in front]
-            ys = [100 * pt.bubble_ratio for pt in front]
+            ys = [100 * pt.step_bubble for pt in front]
             ax.step(xs, ys, where="post", color="tab:blue", linewidth=1.2, label="Pareto front")
             ax.legend(loc="upper right")
         f, b, w, comm = self.costs
@@ -131,7 +137,7 @@ class Frontier:
             fontsize=9,
         )
         ax.set_xlabel("peak activation memory per rank (" + ("MiB" if scale != 1.0 else "M_B") + ")")
-        ax.set_ylabel("bubble (%)")
+        ax.set_ylabel("step bubble (%): idle share of the step")
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         path = Path(path)
@@ -152,6 +158,10 @@ def frontier(
     overlap: float = 0.0,
 ) -> Frontier:
     """Every family's (peak activation memory, bubble) on ``n_ranks`` ranks, and the Pareto front.
+
+    The front is taken over (peak memory, :attr:`FrontierPoint.step_bubble`): the paper's bubble ratio leaves
+    out a rank's wait for its first input, which is small in a V (every rank starts at once) and large in a
+    1F1B-placed schedule, so it would put ``zb-auto`` ahead of a V schedule with the shorter step.
 
     Args:
         n_ranks: pipeline ranks ``p``.
@@ -190,7 +200,10 @@ def frontier(
             return
         res = simulate(schedule, f / v, b / v, w / v, comm, overlap=overlap, w_memory=w_memory)
         unit = (activation_bytes if activation_bytes is not None else 1.0) / v
-        points.append(FrontierPoint(label, v, max(res.peak_memory) * unit, res.bubble_ratio, res.makespan))
+        idle = 1.0 - m * (f + b + w) / res.makespan if res.makespan > 0 else 0.0
+        points.append(
+            FrontierPoint(label, v, max(res.peak_memory) * unit, res.bubble_ratio, res.makespan, idle)
+        )
 
     costs = {"f": f, "b": b, "w": w, "comm": comm, "w_memory": w_memory}
     v_costs = {"f": f / 2, "b": b / 2, "w": w / 2, "comm": comm, "w_memory": w_memory}
@@ -223,15 +236,14 @@ def frontier(
 
 
 def _mark_pareto(points: Sequence[FrontierPoint]) -> list[FrontierPoint]:
-    """``points`` sorted by (memory, bubble) with :attr:`FrontierPoint.pareto` set (ties in both are kept)."""
+    """``points`` sorted by (memory, step bubble) with :attr:`FrontierPoint.pareto` set (ties in both are kept)."""
     out = []
-    for pt in sorted(points, key=lambda x: (round(x.peak_memory, 9), round(x.bubble_ratio, 12), x.label)):
+    for pt in sorted(points, key=lambda x: (round(x.peak_memory, 9), round(x.step_bubble, 12), x.label)):
         dominated = any(
             o.peak_memory <= pt.peak_memory + 1e-12
-            and o.bubble_ratio <= pt.bubble_ratio + 1e-12
-            and (o.peak_memory < pt.peak_memory - 1e-12 or o.bubble_ratio < pt.bubble_ratio - 1e-12)
+            and o.step_bubble <= pt.step_bubble + 1e-12
+            and (o.peak_memory < pt.peak_memory - 1e-12 or o.step_bubble < pt.step_bubble - 1e-12)
             for o in points
         )
-        out.append(FrontierPoint(pt.label, pt.stages_per_rank, pt.peak_memory, pt.bubble_ratio, pt.makespan,
-                                 not dominated))  # fmt: skip
+        out.append(dataclasses.replace(pt, pareto=not dominated))
     return out

@@ -166,6 +166,23 @@ def test_zbv_auto_down_to_v_min_memory(p, m, costs):
         previous = result.bubble_ratio
 
 
+def test_zbv_auto_below_v_min_down_to_one_activation_per_stage():
+    """Below V-Min's peak only the split greedy passes fit: valid plans within the limit, the bubble growing as
+    the limit shrinks; a limit of 1 (less than one activation per stage) is refused."""
+    p, m = 4, 8
+    previous = 0.0
+    for limit in range(v_min_peak(p) - 1, 1, -1):
+        plan = build_schedule("zbv-auto", 2 * p, m, memory_limit=limit)
+        validate(plan)
+        result = simulate(plan)
+        assert max(result.peak_activations) <= limit
+        assert result.bubble_ratio >= previous - 1e-12
+        previous = result.bubble_ratio
+    assert previous > simulate(build_schedule("v-min", 2 * p, m)).bubble_ratio
+    with pytest.raises(ValueError, match="memory_limit must be a number >= 2"):
+        build_schedule("zbv-auto", 2 * p, m, memory_limit=1)
+
+
 def test_zbv_auto_default_memory_unchanged():
     """At the default ``2p`` the small-memory candidates are not added: the plan is the one zbv-auto made
     before (never worse than ``zbv``)."""

@@ -4,7 +4,8 @@
   (PyTorch splits I/W itself; on 3-D activations it raises "Can't detach views in-place");
 * ``torch <ZB> + adapter``: the same schedules on ``splitgrad.Linear(delay_wgrad_compute=True)`` blocks
   through :func:`splitgrad.pipeline.torch_adapter.splitgrad_pipeline_stage` (W = splitgrad bundles);
-* ``splitgrad 1f1b`` / ``zb-h1`` / ``zbv``: splitgrad's own runtime on the splitgrad blocks;
+* ``splitgrad 1f1b`` / ``zb-h1`` / ``zbv`` / ``v-half`` / ``v-min``: splitgrad's own runtime on the splitgrad
+  blocks (the V families on 4 stages; at 2 ranks V-Half and V-Min hold what ``zbv`` holds, 4 half-stages);
 * ``reference``: the whole model in one process, microbatch after microbatch (plain autograd), on rank 0
   only or on both ranks at once.
 
@@ -30,7 +31,8 @@ from splitgrad.pipeline.timeline import TimelineEvent
 from splitgrad.pipeline.torch_adapter import splitgrad_pipeline_stage
 
 TORCH_SCHEDULES = ("1F1B", "InterleavedZB", "ZBV")
-SPLITGRAD_SCHEDULES = ("1f1b", "zb-h1", "zbv")
+SPLITGRAD_SCHEDULES = ("1f1b", "zb-h1", "zbv", "v-half", "v-min")
+V_SCHEDULES = ("zbv", "v-half", "v-min")  # two stages per rank
 DETACH_BUG = "Can't detach views in-place"
 REF, REF2 = "reference (1 process)", "reference, both ranks at once"
 
@@ -156,7 +158,7 @@ class SplitgradVariant:
     """splitgrad's runtime running one of its schedules on splitgrad blocks."""
 
     def __init__(self, cfg: BenchConfig, schedule: str, three_d: bool, *, rank: int) -> None:
-        n_stages = 4 if schedule == "zbv" else 2
+        n_stages = 4 if schedule in V_SCHEDULES else 2
         self.rt = build_runtime(
             cut(cfg, True, n_stages), schedule, loss_fn=F.mse_loss, n_microbatches=cfg.n_microbatches
         )
@@ -196,8 +198,8 @@ class ReferenceVariant:
 
 
 def build_variants(cfg: BenchConfig, rank: int, head_to_head: bool = False) -> dict[str, object]:
-    """Every variant; ``head_to_head``: only splitgrad ``zbv`` and PyTorch's zero-bubble schedules (the others
-    are not built: no models, stages or runtimes for variants the run does not time)."""
+    """Every variant; ``head_to_head``: only splitgrad's V schedules and PyTorch's zero-bubble schedules (the
+    others are not built: no models, stages or runtimes for variants the run does not time)."""
     makers: dict[str, Callable[[], object]] = {}
     for three_d in (False, True):
         tag = "3-D" if three_d else "2-D"
@@ -217,5 +219,7 @@ def build_variants(cfg: BenchConfig, rank: int, head_to_head: bool = False) -> d
     return {
         key: make()
         for key, make in makers.items()
-        if not head_to_head or key.endswith("splitgrad zbv") or ("torch" in key and "ZB" in key)
+        if not head_to_head
+        or key.endswith(tuple(f"splitgrad {name}" for name in V_SCHEDULES))
+        or ("torch" in key and "ZB" in key)
     }

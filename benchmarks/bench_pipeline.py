@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument(
         "--head-to-head",
         action="store_true",
-        help="run bench_pipeline_head_to_head.py instead: only splitgrad zbv and PyTorch's zero-bubble "
+        help="run bench_pipeline_head_to_head.py instead: only splitgrad's V schedules and PyTorch's zero-bubble "
         "variants, timing only, paired throughput table (default 16 rounds)",
     )
     args = parser.parse_args()

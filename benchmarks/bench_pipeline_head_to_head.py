@@ -1,9 +1,11 @@
-"""splitgrad ``zbv`` head to head with PyTorch's zero-bubble schedules on 2 CPU ranks, paired by round.
+"""splitgrad ``zbv`` (and V-Half, V-Min) head to head with PyTorch's zero-bubble schedules on 2 CPU ranks,
+paired by round.
 
 Run: ``.venv/bin/python benchmarks/bench_pipeline_head_to_head.py [--quick] [--rounds 16]`` (also
 ``bench_pipeline.py --head-to-head``). The model, data and variants are ``bench_pipeline.py``'s
-(``_pipeline_variants.py``); only splitgrad ``zbv`` and PyTorch's zero-bubble variants of each activation rank
-are built and timed (16 rounds by default, no memory spawn, about 6 minutes on 2 idle cores): fewer variants per
+(``_pipeline_variants.py``); only splitgrad's V schedules (``zbv``, ``v-half``, ``v-min``: at 2 ranks all
+three hold 4 half-stage activations) and PyTorch's zero-bubble variants of each activation rank are built and
+timed (16 rounds by default, no memory spawn, about 6 minutes on 2 idle cores): fewer variants per
 round make many more rounds affordable, which the throughput target needs on a noisy machine. Per PyTorch
 variant it prints splitgrad's throughput over it paired by round (median, quartiles, and in how many rounds
 splitgrad was faster), then the realisation table of ``bench_pipeline.py``.

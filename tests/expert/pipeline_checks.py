@@ -42,8 +42,10 @@ def _reference(config, batches):
     return ref, torch.stack(ces).mean(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dict:
-    """Per run ``(label, schedule, overlapped stages)``: the runtime's loss and gradients vs the reference.
+def pipeline_ep(rank: int, world: int, runs: list[tuple]) -> dict:
+    """Per run ``(label, schedule, overlapped stages[, delayed wgrad])``: the runtime's loss and gradients vs
+    the reference (delayed wgrad by default; False: the experts' and dense weight gradients computed inside the
+    backward, ``delay_wgrad_compute=False``).
 
     Returns, per label, the number of parameters checked, the expert-W runs inside dispatches on this rank
     and the gradients (for bitwise comparisons between runs).
@@ -52,13 +54,15 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dic
     ep_group = g.dp_group  # the ranks holding the same stage in the two replicas
     out: dict = {}
     refs: dict = {}
-    for label, name, overlapped in runs:
-        n_stages = 4 if name.startswith("dualpipev") else 2
-        config = moe_config(num_layers=n_stages, seq_len=8, delay_wgrad_compute=True)
+    for label, name, overlapped, *rest in runs:
+        delayed = rest[0] if rest else True
+        # Two stages per rank for the V and the virtual pipeline (Megatron's interleaved combined 1F1B).
+        n_stages = 4 if name.startswith(("dualpipev", "interleaved")) else 2
+        config = moe_config(num_layers=n_stages, seq_len=8, delay_wgrad_compute=delayed)
         batches = [batch(config, batch_size=M * MB, seq=8, seed=10 + d) for d in range(2)]
-        if n_stages not in refs:
-            refs[n_stages] = _reference(config, batches)
-        ref, ref_ce, ref_grads = refs[n_stages]
+        if (n_stages, delayed) not in refs:
+            refs[(n_stages, delayed)] = _reference(config, batches)
+        ref, ref_ce, ref_grads = refs[(n_stages, delayed)]
         model = ExpertParallelMoEGPT(config, ep_group=ep_group, dp_group=ep_group)
         load_full_state_dict(model, ref.state_dict())
         set_aux_loss_scale(model, 1.0 / M)
@@ -68,13 +72,16 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dic
         for layer in (m for m in model.modules() if isinstance(m, ExpertParallelMoEMLP)):
             layer.wgrad_log, layer.comm_log = log, comm
         if overlapped:
-            # dualpipev pairs the forward of one stage with the backward of another: set the layers themselves.
+            # dualpipev and the interleaved pairs put the forward of one stage beside the backward of another:
+            # set the layers themselves.
             set_wgrad_in_dispatch(model, True)
             stages = [OverlappedMoEStage(s, wgrad_in_dispatch=None) for s in stages]
         if name == "1f1b+overlap":
             schedule = fuse_overlap_pairs(build_schedule("1f1b", 2, M))
         elif name == "dualpipev-plain":
             schedule = build_schedule("dualpipev", 4, M, overlap=False)
+        elif name == "interleaved-1f1b+overlap":
+            schedule = build_schedule("interleaved-1f1b", 4, M, overlap=True)
         else:
             schedule = build_schedule(name, n_stages, M)
         rt = build_runtime(stages, schedule, loss_fn=lm_loss, pp_group=g.pp_group, timeout=120)
@@ -82,7 +89,7 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dic
         result = rt.step(ids, tgt)
         if splitgrad.pending_wgrad(model):
             raise AssertionError(f"{label}: wgrad work left after the step")
-        if overlapped and not log:
+        if overlapped and delayed and not log:
             raise AssertionError(f"{label}: no expert W ran inside a dispatch all-to-all")
         if not overlapped and log:
             raise AssertionError(f"{label}: expert W ran inside a dispatch without wgrad_in_dispatch")
@@ -116,5 +123,6 @@ def pipeline_ep(rank: int, world: int, runs: list[tuple[str, str, bool]]) -> dic
             pass
         else:
             raise AssertionError(f"{label}: a wrong expert's gradient was accepted")
-        out[label] = {"checked": len(got), "in_dispatch": len(log), "grads": got}
+        pairs = sum(a.kind.value == "FB" for a in rt.actions)
+        out[label] = {"checked": len(got), "in_dispatch": len(log), "grads": got, "pairs": pairs}
     return out

@@ -69,7 +69,7 @@ def test_split_backward_sync_points_and_text_form():
 
 
 def test_refusals_name_the_problem():
-    with pytest.raises(ValueError, match="one stage per rank"):
+    with pytest.raises(ValueError, match="one stage per rank or the interleaved"):
         fuse_overlap_pairs(build_schedule("dualpipev", 4, 8))
     with pytest.raises(ValueError, match="already holds"):
         fuse_overlap_pairs(fuse_overlap_pairs(build_schedule("1f1b", 2, 4)))

@@ -22,7 +22,7 @@ GRID = [(1, 1), (1, 3), (2, 1), (2, 3), (3, 2), (3, 5), (4, 3), (4, 8), (4, 9), 
 
 
 def _stages(name: str, p: int) -> int:
-    return 2 * p if name in ("zbv", "zbv-auto", "dualpipev", "interleaved-1f1b") else p
+    return 2 * p if name in ("zbv", "zbv-auto", "dualpipev", "interleaved-1f1b", "v-half", "v-min") else p
 
 
 def _expected_to_build(name: str, p: int, m: int) -> bool:
@@ -44,8 +44,10 @@ def test_registry_names():
         "dualpipev",
         "zb-auto",
         "zbv-auto",
+        "v-half",
+        "v-min",
     }
-    assert schedule_options("interleaved-1f1b") == ("stages_per_rank", "split_backward")
+    assert schedule_options("interleaved-1f1b") == ("stages_per_rank", "split_backward", "overlap")
     assert schedule_options("zb-h1") == ()
 
 
@@ -180,6 +182,8 @@ GOLDEN = {
     "zb_h2_p4_m8.txt": ("zb-h2", 4, 8, {}),
     "zbv_p3_m6.txt": ("zbv", 6, 6, {}),
     "dualpipev_p2_m5.txt": ("dualpipev", 4, 5, {}),
+    "v_half_p4_m8.txt": ("v-half", 8, 8, {}),
+    "v_min_p3_m6.txt": ("v-min", 6, 6, {}),
 }
 
 

@@ -100,7 +100,7 @@ def _check_invariants(schedule, result, f, b, w, comm):
     comm=st.sampled_from([0.0, 0.25]),
 )
 def test_named_schedules_under_random_costs(name, p, extra, data, comm):
-    n_stages = 2 * p if name in ("zbv", "zbv-auto", "dualpipev", "interleaved-1f1b") else p
+    n_stages = 2 * p if name in ("zbv", "zbv-auto", "dualpipev", "interleaved-1f1b", "v-half", "v-min") else p
     m = (extra + 1) * p if name == "interleaved-1f1b" else 2 * p + extra if name == "dualpipev" else 1 + extra
     schedule = build_schedule(name, n_stages, m)
     f = data.draw(st.lists(costs, min_size=n_stages, max_size=n_stages))

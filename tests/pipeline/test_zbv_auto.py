@@ -81,10 +81,11 @@ def test_candidates_are_sorted_valid_and_within_memory():
     for c in cands:
         validate(c.schedule)
         assert max(c.result.peak_memory) <= 8 + 1e-9
-    # Below the V's in-flight depth (2p activations at the first B) no candidate fits: a clear error, no plan.
-    assert zbv_auto_candidates(8, 8, f=1.0, b=2.0, w=0.5, memory_limit=6, w_memory=1.0) == []
-    with pytest.raises(ValueError, match="no schedule fits memory_limit=6"):
-        build_schedule("zbv-auto", 8, 8, f=1.0, b=2.0, w=0.5, memory_limit=6)
+    # Below the V's in-flight depth (2p activations at the first B) the building-block V's (V-Half fits 6)
+    # and greedy passes with the limit split between the stages are the candidates; every one fits.
+    small = zbv_auto_candidates(8, 8, f=1.0, b=2.0, w=0.5, memory_limit=6, w_memory=1.0)
+    assert {"v-half", "v-min"} <= {c.label for c in small} and "zbv" not in {c.label for c in small}
+    assert all(max(c.result.peak_memory) <= 6 for c in small)
 
 
 def test_refill_w_keeps_the_f_b_order_and_moves_only_w():

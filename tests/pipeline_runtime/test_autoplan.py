@@ -38,7 +38,9 @@ def test_profiles_then_plans_and_stays_exact():
     plan = rt.planner.plan
     assert plan is not None and rt.schedule.name == "zb-auto" and rt.schedule is plan.schedule
     assert all(v > 0 for v in plan.f + plan.b + plan.w)
-    assert plan.activation_bytes[0] > plan.wgrad_bytes[0] > 0
+    # This stack keeps for W what its forward saved (inputs and output gradients of the Linears; the weights
+    # are parameters, not activations): M_W = M_B here.
+    assert plan.activation_bytes[0] >= plan.wgrad_bytes[0] > 0
     assert plan.w_memory == pytest.approx(plan.wgrad_bytes[0] / plan.activation_bytes[0])
     assert plan.memory_limit == (1.0,)
     assert plan.predicted_bubble == simulate(plan.schedule, plan.f, plan.b, plan.w, plan.comm).bubble_ratio

@@ -5,6 +5,7 @@ Examples::
     python -m splitgrad schedule zb-h1 --stages 4 --microbatches 8 --png zb-h1.png
     python -m splitgrad schedule zb-auto --stages 4 --microbatches 8 --f 1 --b 1.2 --w 0.8 --memory-limit 6
     python -m splitgrad schedule interleaved-1f1b --stages 8 --stages-per-rank 2 --microbatches 8 --ascii
+    python -m splitgrad schedule --frontier --ranks 8 --microbatches 24 --f 18522 --b 18086 --w 9337 --png f.png
 """
 
 from __future__ import annotations
@@ -39,7 +40,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("name", choices=schedule_names(), help="schedule family")
+    parser.add_argument(
+        "name", nargs="?", choices=schedule_names(), help="schedule family (not with --frontier)"
+    )
+    parser.add_argument(
+        "--frontier",
+        action="store_true",
+        help="every family's peak memory and bubble on --ranks ranks and the Pareto front (costs per rank)",
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="--frontier: pipeline ranks (default 4)")
+    parser.add_argument(
+        "--activation-bytes", type=float, help="--frontier: activation bytes of one microbatch on one rank"
+    )
+    parser.add_argument("--w-memory", type=float, default=1.0, help="--frontier: M_W / M_B (default 1)")
+    parser.add_argument(
+        "--overlap", type=float, default=0.0, help="--frontier: hidden fraction of overlapped F+B pairs"
+    )
     parser.add_argument("--stages", type=int, default=4, help="total model stages (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b: stages per rank (default 2)")
@@ -102,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from splitgrad.pipeline import ScheduleError, build_schedule, simulate, validate
     from splitgrad.pipeline.timeline import write_chrome_trace
 
+    if args.frontier or args.name is None:
+        return _run_frontier(args)
     try:
         png = output_path("--png", args.png, ".png")
         trace = output_path("--trace", args.trace)
@@ -142,4 +160,51 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # checked above, but the file system can still refuse (full disk, races)
         print(f"error: could not write {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_frontier(args: argparse.Namespace) -> int:
+    """``--frontier``: print every family's point and the Pareto front; ``--png`` draws them."""
+    from splitgrad.pipeline.schedules.frontier import frontier
+
+    try:
+        if args.name is not None or not args.frontier:
+            raise ValueError(
+                "give a schedule name or --frontier (which compares every family), not both"
+                if args.name is not None
+                else "a schedule name is required (or --frontier)"
+            )
+        costs = {k: getattr(args, k) for k in ("f", "b", "w")}
+        lists = [k for k, v in costs.items() if isinstance(v, list)]
+        if lists:
+            raise ValueError(f"--frontier takes one cost per rank's layers, got a list for --{lists[0]}")
+        png = output_path("--png", args.png, ".png")
+        result = frontier(
+            args.ranks,
+            args.microbatches,
+            **costs,
+            comm=args.comm,
+            activation_bytes=args.activation_bytes,
+            w_memory=args.w_memory,
+            overlap=args.overlap,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    f, b, w, comm = result.costs
+    print(
+        f"frontier: {result.n_ranks} ranks, {result.n_microbatches} microbatches, costs per rank's layers "
+        f"f={f:g} b={b:g} w={w:g} comm={comm:g}, w_memory={result.w_memory:g}; memory in {result.memory_unit}"
+    )
+    print(result.to_table())
+    print("Pareto front: " + ", ".join(pt.label for pt in result.pareto))
+    if png is not None:
+        try:
+            print(f"wrote {result.save_png(png)}")
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"error: could not write {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     return 0

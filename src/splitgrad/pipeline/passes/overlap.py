@@ -1,4 +1,4 @@
-"""The overlap pass: a one-stage-per-rank schedule (1F1B) rewritten into overlapped ``F+B`` pairs.
+"""The overlap pass: a 1F1B or interleaved 1F1B schedule rewritten into overlapped ``F+B`` pairs.
 
 Megatron-Core's combined 1F1B (``--overlap-moe-expert-parallel-comm``) and DualPipe run the steady state as
 pairs "forward of microbatch ``j + k``, backward of microbatch ``j``", so each part's all-to-alls hide behind the
@@ -16,6 +16,14 @@ at ``overlap=0`` the simulated makespan equals 1F1B's, and every hidden fraction
 ``m = 8``, ``f = 1``, ``b = 2``: 33 plain, 29.5 at ``overlap=0.5``, 26 at 1). The price is activation memory:
 ``2 (p - r)`` microbatches in flight on rank ``r`` instead of ``p - r``.
 
+With ``v`` stages per rank on the loop placement (interleaved 1F1B, Megatron's virtual pipeline: rank ``r``
+holds ``r, r + p, ...``) the default is Megatron-Core's combined-1F1B warm-up,
+``k = 2 (p - 1 - r) + (v - 1) p + 1``: its interleaved warm-up (``microbatch_group_size_per_vp_stage = p``)
+plus the one extra forward that ``--overlap-moe-expert-parallel-comm`` adds. Without the extra forward the
+last rank's first pair would hold the forward and the backward of the same (stage, microbatch), which cannot
+overlap (the backward needs the forward's output). Its pairs are Megatron's: forward ``j + k`` with backward
+``j`` in the interleaved order of each. At ``v = 1`` the formula is the default above.
+
 The pair costs ``f + b - overlap * min(f, b)`` in :func:`~splitgrad.pipeline.simulate` (``overlap=``); the
 runtime hands both parts to the stage's ``overlapped_forward_backward`` (e.g. an
 :class:`~splitgrad.parallel.expert.OverlappedMoEStage`), or runs them in order.
@@ -31,9 +39,10 @@ __all__ = ["default_lookahead", "fuse_overlap_pairs"]
 _BACKWARD = (ActionKind.B, ActionKind.BW)
 
 
-def default_lookahead(n_ranks: int, rank: int) -> int:
-    """Warm-up forwards of ``rank`` before its first pair: ``2 (n_ranks - 1 - rank) + 1`` (see module doc)."""
-    return 2 * (n_ranks - 1 - rank) + 1
+def default_lookahead(n_ranks: int, rank: int, stages_per_rank: int = 1) -> int:
+    """Warm-up forwards of ``rank`` before its first pair: ``2 (p - 1 - rank) + (v - 1) p + 1`` with ``p =
+    n_ranks`` and ``v = stages_per_rank`` (Megatron-Core's combined 1F1B; see the module doc)."""
+    return 2 * (n_ranks - 1 - rank) + (stages_per_rank - 1) * n_ranks + 1
 
 
 def _rank_pairs(acts: tuple[AnyAction, ...], k: int, rank: int, name: str) -> list[AnyAction]:
@@ -64,29 +73,36 @@ def _rank_pairs(acts: tuple[AnyAction, ...], k: int, rank: int, name: str) -> li
 
 
 def fuse_overlap_pairs(schedule: Schedule, *, lookahead: list[int] | None = None) -> Schedule:
-    """Rewrite a one-stage-per-rank schedule (``1f1b``, ``gpipe``) into warm-up, ``F+B`` pairs, cool-down.
+    """Rewrite a 1F1B-like schedule (``1f1b``, ``gpipe``, ``interleaved-1f1b``) into warm-up, ``F+B`` pairs,
+    cool-down.
 
     Args:
-        schedule: a complete schedule without overlapped pairs or sync points, one stage per rank (e.g.
-            ``build_schedule("1f1b", p, m)``, also with ``split_backward=True``); add sync points after.
-        lookahead: per rank, the warm-up forwards before the first pair (``k``: pairs are ``F(j + k)+B(j)``);
-            default :func:`default_lookahead`. Clipped to the number of microbatches.
+        schedule: a complete schedule without overlapped pairs or sync points, with one stage per rank (e.g.
+            ``build_schedule("1f1b", p, m)``, also with ``split_backward=True``) or ``v`` stages per rank on the
+            loop placement (``build_schedule("interleaved-1f1b", v * p, m, stages_per_rank=v)``); add sync
+            points after.
+        lookahead: per rank, the warm-up forwards before the first pair (``k``: pairs are ``F(j + k)+B(j)``,
+            counting the rank's forwards and backwards in its order); default :func:`default_lookahead`.
+            Clipped to the rank's number of forwards.
 
     Returns:
         A new, validated schedule named ``"<name>+overlap"``, same stage-to-rank mapping and microbatches.
 
     Raises:
-        ValueError: a rank holds several stages, pairs or sync points; ``lookahead`` has the wrong length or a
-            value below 1; or no pair results (``n_microbatches`` too small).
+        ValueError: the stages are not one per rank or on the loop placement (a V: ``dualpipev`` builds its own
+            pairs); the schedule holds pairs or sync points; ``lookahead`` has the wrong length or a value below
+            1; or no pair results (``n_microbatches`` too small).
         ScheduleError: the rewritten schedule is not valid (a ``lookahead`` too small for the dependencies).
     """
-    p = schedule.n_ranks
-    if schedule.n_stages != p:
+    p, n = schedule.n_ranks, schedule.n_stages
+    if n % p or schedule.stage_to_rank != tuple(s % p for s in range(n)):
         raise ValueError(
-            f"fuse_overlap_pairs: needs one stage per rank, {schedule.name!r} has {schedule.n_stages} stages on "
-            f"{p} ranks (dualpipev builds its own pairs: build_schedule('dualpipev', ...))"
+            f"fuse_overlap_pairs: needs one stage per rank or the interleaved (loop) placement, {schedule.name!r} "
+            f"places its {n} stages on {p} ranks as {schedule.stage_to_rank} (dualpipev builds its own pairs: "
+            "build_schedule('dualpipev', ...))"
         )
-    ks = [default_lookahead(p, r) for r in range(p)] if lookahead is None else [int(k) for k in lookahead]
+    v = n // p
+    ks = [default_lookahead(p, r, v) for r in range(p)] if lookahead is None else [int(k) for k in lookahead]
     if len(ks) != p or min(ks) < 1:
         raise ValueError(
             f"fuse_overlap_pairs: lookahead must give one value >= 1 per rank ({p}), got {lookahead=}"

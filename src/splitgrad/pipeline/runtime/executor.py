@@ -131,7 +131,7 @@ class StageExecutor:
     def forward(self, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor | None:
         """``F(stage, mb)``; returns the detached output for the next stage (None on the last stage)."""
         x = self._forward_input(stage, mb, received)
-        with self.meter.forward(stage, mb) if self.meter is not None else contextlib.nullcontext():
+        with self._metered(stage, mb):
             y = self.stages[stage](x)
             return self._forward_done(stage, mb, x, y)
 
@@ -170,11 +170,16 @@ class StageExecutor:
             return out, self.backward(bs, bmb, breceived, run_weight=run_weight)
         x = self._forward_input(fs, fmb, freceived)
         bx, y, grad = self._backward_operands(bs, bmb, breceived)
-        meter = self.meter.forward(fs, fmb) if self.meter is not None else contextlib.nullcontext()
-        with meter, capture_wgrad() as bundle:
+        with self._metered(fs, fmb), capture_wgrad() as bundle:
             out = hook(x, y, grad) if y.requires_grad else module(x)
             out = self._forward_done(fs, fmb, x, out)
         return out, self._backward_done(bs, bmb, bx, bundle, run_weight)
+
+    def _metered(self, stage: int, mb: int) -> contextlib.AbstractContextManager[None]:
+        """Count ``(stage, mb)``'s saved activations (the stage's parameters are weights, not activations)."""
+        if self.meter is None:
+            return contextlib.nullcontext()
+        return self.meter.forward(stage, mb, exclude=tuple(self.stages[stage].parameters()))
 
     def _forward_input(self, stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
         if stage == 0:

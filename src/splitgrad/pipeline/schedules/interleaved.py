@@ -3,12 +3,18 @@
 Rank ``r`` of ``p`` holds stages ``r, r + p, ..., r + (v - 1) p`` (``v = stages_per_rank``), so a microbatch
 loops through the ranks ``v`` times and the fill/drain bubble shrinks by ``v``. Microbatches go through the
 chunks in groups of ``p``, which is why ``n_microbatches`` must be a multiple of ``p``.
+
+``overlap=True`` gives Megatron-Core's combined 1F1B under virtual pipelining
+(``--overlap-moe-expert-parallel-comm``): one more warm-up forward per rank, then the steady state as
+overlapped ``F+B`` pairs (:func:`~splitgrad.pipeline.passes.fuse_overlap_pairs` with its default look-ahead),
+so each pair's expert all-to-alls can hide behind the other part's compute.
 """
 
 from __future__ import annotations
 
 from ..ir._perf import gc_paused
 from ..ir.actions import Schedule
+from ..passes.overlap import fuse_overlap_pairs
 from ._common import RankProgram, check_positive_int, finish, loop_mapping
 
 __all__ = ["interleaved_1f1b"]
@@ -21,6 +27,7 @@ def interleaved_1f1b(
     *,
     stages_per_rank: int = 2,
     split_backward: bool = False,
+    overlap: bool = False,
 ) -> Schedule:
     """Interleaved 1F1B over ``n_stages / stages_per_rank`` ranks.
 
@@ -29,9 +36,11 @@ def interleaved_1f1b(
         n_microbatches: a multiple of the number of ranks.
         stages_per_rank: virtual stages (model chunks) per rank, ``>= 2``.
         split_backward: write ``B`` + ``W`` instead of ``BW``.
+        overlap: Megatron-Core's combined 1F1B: the steady state as overlapped ``F+B`` pairs after one more
+            warm-up forward (named ``"interleaved-1f1b+overlap"``).
 
     Raises:
-        ValueError: the counts do not divide as required.
+        ValueError: the counts do not divide as required, or ``overlap`` with too few microbatches for a pair.
     """
     check_positive_int(
         "interleaved-1f1b", n_stages=n_stages, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank
@@ -86,4 +95,5 @@ def interleaved_1f1b(
         for k in range(total - warmup, total):
             backward(k)
         programs.append(prog)
-    return finish("interleaved-1f1b", m, loop_mapping(n_stages, p), programs)
+    plain = finish("interleaved-1f1b", m, loop_mapping(n_stages, p), programs)
+    return fuse_overlap_pairs(plain) if overlap else plain

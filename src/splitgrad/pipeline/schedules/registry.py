@@ -17,6 +17,8 @@ from .auto import zb_auto
 from .dualpipev import dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
+from .v_half import v_half
+from .v_min import v_min
 from .zbv import zbv
 from .zbv_auto import zbv_auto
 from .zero_bubble import zb_h1, zb_h2
@@ -34,6 +36,8 @@ SCHEDULES: MappingProxyType[str, Callable[..., Schedule]] = MappingProxyType(
         "dualpipev": dualpipev,
         "zb-auto": zb_auto,
         "zbv-auto": zbv_auto,
+        "v-half": v_half,
+        "v-min": v_min,
     }
 )
 """Read-only map from schedule name to its builder ``(n_stages, n_microbatches, **options) -> Schedule``."""
@@ -45,6 +49,8 @@ _ALIASES = MappingProxyType(
         "zb-v-auto": "zbv-auto",
         "zbh1": "zb-h1",
         "zbh2": "zb-h2",
+        "vhalf": "v-half",
+        "vmin": "v-min",
     }
 )
 
@@ -68,12 +74,12 @@ def build_schedule(name: str, n_stages: int, n_microbatches: int, **options: Any
     """Build the schedule family ``name`` for ``n_stages`` model stages and ``n_microbatches`` microbatches.
 
     ``n_stages`` counts model stages, as in ``torch.distributed.pipelining``; families with several stages
-    per rank use ``n_stages / stages_per_rank`` ranks (``zbv``, ``zbv-auto`` and ``dualpipev``: 2; ``interleaved-1f1b``:
-    option ``stages_per_rank``, default 2).
+    per rank use ``n_stages / stages_per_rank`` ranks (``zbv``, ``zbv-auto``, ``dualpipev``, ``v-half`` and ``v-min``:
+    2; ``interleaved-1f1b``: option ``stages_per_rank``, default 2).
 
     Args:
         name: one of :func:`schedule_names` (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``,
-            ``"zb-h2"``, ``"zbv"``, ``"dualpipev"``, ``"zb-auto"``, ``"zbv-auto"``).
+            ``"zb-h2"``, ``"zbv"``, ``"dualpipev"``, ``"zb-auto"``, ``"zbv-auto"``, ``"v-half"``, ``"v-min"``).
         n_stages: total model stages.
         n_microbatches: microbatches per step.
         **options: family options: ``split_backward`` (gpipe, 1f1b, interleaved-1f1b), ``stages_per_rank``

@@ -27,6 +27,15 @@ simulated under the given costs and memory model and the best is returned (short
 makespan, then lower peak). Because the fixed ``zbv`` is a candidate whenever it fits the memory limit (it
 does at the default ``2p``), zbv-auto is never worse than ``zbv`` at the same memory. A greedy pass that
 stalls (memory full on every rank that could unblock another) is dropped, not returned.
+
+Below the fixed V's ``2p`` activations the greedy passes with the V's depths stall: a low rank spends its
+whole budget on down-stage forwards and never runs the up-stage forward its first input gradient needs. So
+under a smaller limit zbv-auto adds the building-block schedules :func:`~.v_half.v_half` and
+:func:`~.v_min.v_min` (about a half and a third of the memory) and greedy passes whose depths split the limit
+between the two stages (the up stage gets half or a third). V-Min's peak, ``2 * floor((p + 4) / 3)`` stage
+activations with enough microbatches, is the least a building block reaches; below it (down to 2, one
+activation per stage) only the split greedy passes fit, and the bubble grows steeply (1.5B costs, p = 8,
+m = 24: 0.34 at V-Min's 8, 0.48 at 7, 0.81 at 2).
 """
 
 from __future__ import annotations
@@ -40,12 +49,14 @@ from typing import ClassVar
 from ..ir._coerce import per_rank_memory_limits
 from ..ir._perf import gc_paused
 from ..ir.actions import ActionKind, Schedule
-from ..ir.simulate import Costs
+from ..ir.simulate import Costs, simulate
 from ..passes.w_refill import refill_w
 from ._candidates import Candidate, CandidatePool, pick_best
 from ._common import check_choice, check_v_shape, v_mapping
 from ._list_scheduler import PassState, PlanCosts, Run, Wait, list_schedule
 from ._search import GreedySearch
+from .v_half import v_half
+from .v_min import v_min
 from .zbv import zbv
 
 __all__ = ["ZbvCandidate", "zbv_auto", "zbv_auto_candidates", "zbv_greedy"]
@@ -276,6 +287,9 @@ def zbv_auto_candidates(
                         strict=order == "strict",
                     )
 
+    if min(limits) < 2 * p:
+        _add_small_memory_candidates(pool, search, p, m)
+
     # The best few plans' cool-downs re-placed (input gradients first, W into the waits), and the fixed V's W
     # re-placed throughout: F/B order kept, so validity and in-flight depth are the base's. Only the best
     # _REFILL_BASES greedy plans: re-placing the W of a poor F/B order does not make it a good one.
@@ -302,6 +316,29 @@ def zbv_auto_candidates(
     return pool.ranked()
 
 
+def _add_small_memory_candidates(pool: CandidatePool, search: GreedySearch, p: int, m: int) -> None:
+    """Candidates for limits below the fixed V's ``2p``: V-Half, V-Min, and greedy passes whose in-flight depths
+    split each rank's limit between its stages (the pool drops what does not fit)."""
+    n = 2 * p
+    for name, build in (("v-half", v_half), ("v-min", v_min)):
+        block = build(n, m)
+        pool.consider(name, Schedule("zbv-auto", m, block.stage_to_rank, block.rank_actions))
+    # Whole activations a rank may hold (at least one per stage); the memory check still applies per pass.
+    held = [max(2, math.floor(limit + _EPS)) for limit in pool.limits]
+    for share, up_of in (("half", lambda h: h // 2), ("third", lambda h: max(1, h // 3))):
+        ucap = [up_of(h) for h in held]
+        dcap = [h - u for h, u in zip(held, ucap)]
+        for fill in ("eager", "fit"):
+            for strict in (False, True):
+                search.greedy(
+                    f"greedy(split-{share}, fill={fill}, {'strict' if strict else 'alternate'})",
+                    down_cap=dcap,
+                    up_cap=ucap,
+                    fill=fill,
+                    strict=strict,
+                )
+
+
 def zbv_auto(
     n_stages: int,
     n_microbatches: int,
@@ -321,21 +358,24 @@ def zbv_auto(
         n_microbatches: microbatches per step.
         f, b, w: per-stage forward / input-gradient / weight-gradient costs (one value or one per stage).
         comm: transfer latency between ranks.
-        memory_limit: activation budget per rank in stage activations ``M_B`` (one number or one per rank).
+        memory_limit: activation budget per rank in stage activations ``M_B`` (one number or one per rank),
+            at least 2; below V-Min's peak only the split greedy passes fit (see the module doc).
         w_memory: ``M_W / M_B``, what a ``B`` keeps for its ``W`` (the paper's memory model).
 
     Returns:
         The best candidate schedule, named ``"zbv-auto"``.
 
     Raises:
-        ValueError: odd ``n_stages``, bad costs or limits, or no candidate fits ``memory_limit``.
+        ValueError: odd ``n_stages``, bad costs or limits, or no candidate fits ``memory_limit`` (the message
+            gives V-Min's per-rank peak for comparison).
     """
     candidates = zbv_auto_candidates(
         n_stages, n_microbatches, f=f, b=b, w=w, comm=comm, memory_limit=memory_limit, w_memory=w_memory
     )
-    return pick_best(
-        candidates,
-        "zbv-auto",
-        f"zbv-auto: no schedule fits {memory_limit=} stage activations per rank ({n_stages=} "
-        f"{n_microbatches=} {w_memory=}); raise memory_limit",
-    )
+    if not candidates:
+        least = simulate(v_min(n_stages, n_microbatches), w_memory=w_memory).peak_memory
+        raise ValueError(
+            f"zbv-auto: no schedule fits {memory_limit=} stage activations per rank ({n_stages=} "
+            f"{n_microbatches=} {w_memory=}); raise memory_limit (V-Min's peak is {list(least)} per rank)"
+        )
+    return pick_best(candidates, "zbv-auto", "unreachable: candidates checked above")

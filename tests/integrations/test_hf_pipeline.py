@@ -9,8 +9,12 @@ the loss and every parameter gradient against the unconverted single-process mod
 
 from __future__ import annotations
 
+import pytest
+
 from splitgrad.testing import spawn
 from tests.integrations import hf_parallel_checks
+
+pytestmark = pytest.mark.distributed
 
 CASES = [("llama", "zb-h1"), ("qwen3", "zbv"), ("qwen3_moe", "zb-h1"), ("mixtral", "zbv")]
 

@@ -17,6 +17,8 @@ from splitgrad.testing import spawn
 
 from . import v_workers
 
+pytestmark = pytest.mark.distributed
+
 NAMES = ["v-half", "v-min", "zbv"]
 
 

@@ -86,6 +86,7 @@ class PipelineCheckpointer:
             raise ValueError(f"PipelineCheckpointer: timeout must be positive seconds, got {timeout=}")
         self.root = Path(root)
         self.runtime, self.optimizer, self.timeout = runtime, optimizer, float(timeout)
+        # Before the group: a wrong model or optimizer raises before any group is made or collective joined.
         self._share = RankShare(model, runtime.stages, optimizer)
         self._ranks = CheckpointGroup(group, timeout=self.timeout)
         self._distributed, self._rank = self._ranks.distributed, self._ranks.rank

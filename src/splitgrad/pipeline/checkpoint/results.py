@@ -11,7 +11,7 @@ __all__ = ["Restored", "SaveHandle"]
 
 @dataclass(kw_only=True, slots=True)
 class SaveHandle:
-    """What :meth:`PipelineCheckpointer.save` returns."""
+    """What :meth:`~.checkpointer.PipelineCheckpointer.save` returns."""
 
     step: int
     """The step saved."""
@@ -21,12 +21,12 @@ class SaveHandle:
     """Seconds ``save`` held the caller: the whole write when synchronous; with ``async_save``, the wait for
     the previous save, the agreement, and the copy of the state to CPU memory."""
     asynchronous: bool
-    """Whether the files are still being written in the background (:meth:`PipelineCheckpointer.wait`)."""
+    """Whether the files are still being written in the background (:meth:`~.checkpointer.PipelineCheckpointer.wait`)."""
 
 
 @dataclass(kw_only=True, slots=True)
 class Restored:
-    """What :meth:`PipelineCheckpointer.load` restored."""
+    """What :meth:`~.checkpointer.PipelineCheckpointer.load` restored."""
 
     step: int
     """The step the checkpoint was taken after: training resumes with step ``step + 1``."""

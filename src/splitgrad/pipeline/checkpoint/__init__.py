@@ -2,6 +2,9 @@
 
 * :class:`PipelineCheckpointer` (:mod:`.checkpointer`): built on every rank from the runtime, the whole model
   and the optimizer; ``save(step, extra=..., async_save=...)``, ``load(path=None)``, ``wait()``, ``close()``.
+  Its parts: :mod:`.collective` (what the ranks agree on), :mod:`.share` (one rank's entries, written and
+  read back), :mod:`.pending` (a write under way, published once complete), :mod:`.results` (what ``save`` and
+  ``load`` return: :class:`SaveHandle`, :class:`Restored`).
 * :mod:`.names`: tensors keyed by the whole model's names, so a checkpoint loads under any schedule and rank
   layout with the same partition (``describe_partition``).
 * :mod:`.state`: what is saved (parameters, optimizer state by parameter name, RNG per rank, step, extra).
@@ -13,9 +16,10 @@
 
 from __future__ import annotations
 
-from .checkpointer import PipelineCheckpointer, Restored, SaveHandle
+from .checkpointer import PipelineCheckpointer
 from .names import describe_partition
 from .order import gradient_order, same_gradient_order
+from .results import Restored, SaveHandle
 from .store import (
     IncompleteCheckpointError,
     checkpoint_path,

@@ -1,27 +1,22 @@
-"""Save and restore a pipeline rank's training state with torch.distributed.checkpoint (DCP).
+"""Save and restore a pipeline rank's training state with torch.distributed.checkpoint (DCP): the order of it.
 
 :class:`PipelineCheckpointer` is built once on every rank of the job (all pipeline and data-parallel ranks)
 from the runtime, the whole model (for the global names, :mod:`.names`) and the optimizer. ``save`` writes the
-rank's share of a checkpoint collectively (:mod:`.state`: parameters, optimizer state, RNG, step, the job's own
-state), synchronously or with DCP's ``async_save`` (the state is copied to CPU memory, then written by a
-background thread while training goes on); the group's first rank publishes it once every rank's files are written
-(:mod:`.store`). ``load`` restores a checkpoint under any schedule and rank layout with the same partition.
+rank's share of a checkpoint collectively (:mod:`.share`, :mod:`.state`: parameters, optimizer state, RNG, step,
+the job's own state), synchronously or with DCP's ``async_save`` (the state is copied to CPU memory, then written
+by a background thread while training goes on); the group's first rank publishes it once every rank's files are
+written (:mod:`.pending`, :mod:`.store`). ``load`` restores a checkpoint under any schedule and rank layout with
+the same partition. What the ranks must agree on is decided over the group in :mod:`.collective`; this module
+only orders those steps and calls DCP.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import hashlib
 import logging
-import pickle
-import secrets
-import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,22 +26,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ...core import ensure_no_pending_wgrad
-from ...distributed.group_ref import GroupRef
-from ...distributed.wait import bounded_wait
-from .names import describe_partition, partition_of, stage_tensors
-from .state import (
-    apply_optimizer_state,
-    apply_rng_state,
-    decode,
-    encode,
-    optimizer_entries,
-    optimizer_keys,
-    rng_entries,
-)
+from .collective import CheckpointGroup
+from .names import describe_partition
+from .pending import PendingSave
+from .results import Restored, SaveHandle
+from .share import RankShare, decode_extras
+from .state import encode
 from .store import (
     checkpoint_path,
     latest_checkpoint,
-    publish,
     remove_unpublished,
     temporary_path,
     verify_checkpoint,
@@ -55,56 +43,9 @@ from .store import (
 if TYPE_CHECKING:
     from ..runtime import PipelineRuntime
 
-__all__ = ["PipelineCheckpointer", "Restored", "SaveHandle"]
+__all__ = ["PipelineCheckpointer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class SaveHandle:
-    """What :meth:`PipelineCheckpointer.save` returns."""
-
-    step: int
-    """The step saved."""
-    path: Path
-    """Where the checkpoint is published (once complete)."""
-    blocking_s: float
-    """Seconds ``save`` held the caller: the whole write when synchronous; with ``async_save``, the wait for
-    the previous save, the agreement, and the copy of the state to CPU memory."""
-    asynchronous: bool
-    """Whether the files are still being written in the background (:meth:`PipelineCheckpointer.wait`)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Restored:
-    """What :meth:`PipelineCheckpointer.load` restored."""
-
-    step: int
-    """The step the checkpoint was taken after: training resumes with step ``step + 1``."""
-    path: Path
-    """The checkpoint loaded."""
-    extra: dict[str, Any]
-    """The job's state passed to ``save(extra=...)``, the same on every rank (a global data position, a
-    learning-rate schedule, ...)."""
-    rank_extra: dict[str, Any] | None
-    """This rank's own state passed to ``save(rank_extra=...)`` (a data-parallel replica's data position, ...);
-    None under another rank layout, where it has no saved counterpart."""
-    rng_restored: bool
-    """Whether this rank's generators were set to the saved ones (only under the layout that saved them)."""
-    saved_schedule: str
-    """Name of the schedule that was running when it was saved."""
-    same_layout: bool
-    """Whether the ranks hold the same stages as when it was saved."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    step: int
-    temporary: Path
-    final: Path
-    future: Future | None = None
-    error: BaseException | None = None
-    finished: threading.Event = field(default_factory=threading.Event)
 
 
 class PipelineCheckpointer:
@@ -145,22 +86,15 @@ class PipelineCheckpointer:
             raise ValueError(f"PipelineCheckpointer: timeout must be positive seconds, got {timeout=}")
         self.root = Path(root)
         self.runtime, self.optimizer, self.timeout = runtime, optimizer, float(timeout)
-        self._tensors = stage_tensors(model, runtime.stages)
-        self._names = {id(t): name for entries in self._tensors.values() for name, t in entries.items()}
-        if optimizer is not None:
-            optimizer_entries(optimizer, self._names)  # raises on a parameter outside the stages
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self._owned = self._distributed and group is None
-        if self._owned:
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        self._group = GroupRef(group, owner="PipelineCheckpointer.group") if self._distributed else None
-        self._rank = dist.get_rank() if self._distributed else 0
-        # DCP's coordinator, the rank that writes .metadata last: it publishes, once every rank has written.
-        self._coordinator = not self._distributed or dist.get_rank(self.group) == 0
-        if self._distributed and dist.get_world_size(self.group) > 1:
-            _require_numpy()
-        self.partition, self.layout = self._gather_layout()
-        self._pending: _Pending | None = None
+        # Before the group: a wrong model or optimizer raises before any group is made or collective joined.
+        self._share = RankShare(model, runtime.stages, optimizer)
+        self._ranks = CheckpointGroup(group, timeout=self.timeout)
+        self._distributed, self._rank = self._ranks.distributed, self._ranks.rank
+        self._coordinator = self._ranks.coordinator
+        self.partition, self.layout = self._ranks.gather_layout(
+            self._share.tensors, runtime.schedule.n_stages
+        )
+        self._pending: PendingSave | None = None
         self._failed: str | None = None
         self._closed = False
         if self._coordinator:
@@ -171,7 +105,7 @@ class PipelineCheckpointer:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The group the ranks save over (None without torch.distributed)."""
-        return None if self._group is None else self._group.get()
+        return self._ranks.group
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint under ``root`` (this rank's view), or None."""
@@ -207,20 +141,11 @@ class PipelineCheckpointer:
         self.wait()
         self._refuse_pending_wgrad("PipelineCheckpointer.save")
         encoded = {f"extra.{k}": encode(v) for k, v in (extra or {}).items()}
-        digest = _digest(extra or {}) if self._distributed else 0
-        nonce = secrets.randbits(60) if self._coordinator else 0
-        agreed = self._max([step, -step, digest, -digest, nonce], f"agreeing on checkpoint step {step}")
-        if agreed[0] != -agreed[1]:
-            raise ValueError(
-                f"PipelineCheckpointer.save: the ranks save different steps ({-agreed[1]} .. {agreed[0]})"
-            )
-        if agreed[2] != -agreed[3]:
-            raise ValueError(
-                f"PipelineCheckpointer.save: extra differs between ranks (keys here: {sorted(extra or {})}); "
-                "it is saved once for all ranks: pass each rank's own state as rank_extra"
-            )
-        pending = _Pending(step, temporary_path(self.root, step, agreed[4]), checkpoint_path(self.root, step))
-        state = self._state_dict(step, encoded, rank_extra or {})
+        nonce = self._ranks.agree_on_save(step, extra or {})
+        pending = PendingSave(step, temporary_path(self.root, step, nonce), checkpoint_path(self.root, step))
+        state = self._share.state_dict(
+            step, encoded, rank_extra or {}, rank=self._rank, device=self.runtime.device
+        )
         writer = dcp.FileSystemWriter(pending.temporary)
         with _quiet_single_process(self._distributed):
             if async_save:
@@ -228,16 +153,18 @@ class PipelineCheckpointer:
                     state, storage_writer=writer, process_group=self.group, no_dist=not self._distributed
                 )
                 pending.future = getattr(future, "upload_completion", future)
-                pending.future.add_done_callback(lambda f: self._written(pending, f.exception()))
+                pending.future.add_done_callback(
+                    lambda f: pending.written(f.exception(), self._publishing(pending))
+                )
             else:
                 try:
                     dcp.save(
                         state, storage_writer=writer, process_group=self.group, no_dist=not self._distributed
                     )
                 except Exception as exc:  # every rank reports it in wait(); none publishes
-                    self._written(pending, exc)
+                    pending.written(exc, self._publishing(pending))
                 else:
-                    self._written(pending, None)
+                    pending.written(None, self._publishing(pending))
         self._pending = pending
         blocking = time.perf_counter() - start
         if not async_save:
@@ -260,18 +187,7 @@ class PipelineCheckpointer:
         if not pending.finished.wait(self.timeout):
             self._failed = f"the write of step {pending.step} did not finish within {self.timeout:g} s"
             raise RuntimeError(f"PipelineCheckpointer: {self._failed} ({pending.temporary})")
-        (failed,) = self._max([int(pending.error is not None)], f"confirming checkpoint step {pending.step}")
-        if pending.error is not None:
-            raise RuntimeError(
-                f"PipelineCheckpointer: the checkpoint of step {pending.step} failed on this rank "
-                f"({type(pending.error).__name__}: {pending.error}); {pending.final} was not published"
-            ) from pending.error
-        if failed:
-            raise RuntimeError(
-                f"PipelineCheckpointer: the checkpoint of step {pending.step} failed on another rank; "
-                f"{pending.final} was not published"
-            )
-        return pending.final
+        return pending.confirm(self._ranks)
 
     def load(self, path: str | Path | None = None, *, restore_rng: bool = True) -> Restored:
         """Restore a complete checkpoint into this rank's stages and optimizer (every rank).
@@ -291,7 +207,7 @@ class PipelineCheckpointer:
         self._check_usable("load")
         self.wait()
         self._refuse_pending_wgrad("PipelineCheckpointer.load")
-        path = self._choose(path)
+        path = self._ranks.choose_latest(self.root) if path is None else Path(path)
         marker = verify_checkpoint(path)
         saved = [list(p) for p in marker["partition"]]
         if saved != [list(p) for p in self.partition]:
@@ -304,34 +220,17 @@ class PipelineCheckpointer:
         same_layout = marker["layout"] == self.layout
         reader = dcp.FileSystemReader(path)
         meta = reader.read_metadata().state_dict_metadata
-        state: dict[str, Any] = {}
-        for entries in self._tensors.values():
-            for name, tensor in entries.items():
-                state[f"model.{name}"] = _checked(f"model.{name}", tensor.detach(), meta, path)
-        if self.optimizer is not None:
-            for key in optimizer_keys(self.optimizer, self._names, meta):
-                state[key] = _empty_like_saved(meta[key])
-        rng_keys = [k for k in meta if k.startswith(f"rng.rank{self._rank}.")]
-        rng_restored = bool(restore_rng and same_layout and rng_keys)
-        for key in rng_keys if rng_restored else ():
-            state[key] = _empty_like_saved(meta[key])
-        rank_keys = [k for k in meta if k.startswith(f"rank{self._rank}.")] if same_layout else []
-        for key in [k for k in meta if k.startswith("extra.") or k == "step"] + rank_keys:
-            state[key] = _empty_like_saved(meta[key])
+        rng, rank = restore_rng and same_layout, self._rank
+        state = self._share.read_buffers(meta, path, rank=rank, rng=rng, own=same_layout)
         with _quiet_single_process(self._distributed):
             dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=not self._distributed)
-        if self.optimizer is not None:
-            apply_optimizer_state(self.optimizer, self._names, state)
-        if rng_restored:
-            apply_rng_state(self._rank, self.runtime.device, state)
-        elif restore_rng:
+        rng_restored = self._share.restore(state, rank=rank, device=self.runtime.device)
+        if not rng_restored and restore_rng:
             logger.warning(
                 "PipelineCheckpointer.load: %s was saved by another rank layout; generator states not restored",
                 path,
             )
-        extra = {k[len("extra.") :]: decode(v) for k, v in state.items() if k.startswith("extra.")}
-        prefix = f"rank{self._rank}."
-        rank_extra = {k[len(prefix) :]: decode(state[k]) for k in rank_keys} if same_layout else None
+        extra, rank_extra = decode_extras(state, rank=rank, own=same_layout)
         step = int(state["step"])
         logger.info("restored %s (step %d, schedule %s)", path, step, marker["schedule"])
         return Restored(
@@ -348,10 +247,7 @@ class PipelineCheckpointer:
                 self.wait()
         finally:
             self._closed = True
-            if self._owned and self._group is not None:
-                group = self._group.get()
-                self._group = None
-                dist.destroy_process_group(group)
+            self._ranks.close()
 
     def __enter__(self) -> PipelineCheckpointer:
         return self
@@ -371,127 +267,15 @@ class PipelineCheckpointer:
         for s, module in self.runtime.stages.items():
             ensure_no_pending_wgrad(module, what=f"{where} (stage {s})")
 
-    def _state_dict(
-        self, step: int, extra: Mapping[str, torch.Tensor], rank_extra: Mapping[str, Any]
-    ) -> dict[str, torch.Tensor]:
-        state = {f"model.{n}": t.detach() for entries in self._tensors.values() for n, t in entries.items()}
-        if self.optimizer is not None:
-            state.update(optimizer_entries(self.optimizer, self._names))
-        state.update(rng_entries(self._rank, self.runtime.device))
-        state["step"] = torch.tensor(step, dtype=torch.int64)
-        state.update(extra)
-        state.update({f"rank{self._rank}.{k}": encode(v) for k, v in rank_extra.items()})
-        return state
-
-    def _written(self, pending: _Pending, error: BaseException | None) -> None:
-        """Every rank's files are written (DCP's save returns only then): the coordinator publishes."""
-        try:
-            if error is None and self._coordinator:
-                publish(pending.temporary, pending.final, self._marker(pending.step))
-        except Exception as exc:
-            error = exc
-        finally:
-            pending.error = error
-            pending.finished.set()
+    def _publishing(self, pending: PendingSave) -> Callable[[], dict[str, Any]] | None:
+        """What the coordinator's marker of ``pending`` records (None elsewhere: one rank publishes)."""
+        return (lambda: self._marker(pending.step)) if self._coordinator else None
 
     def _marker(self, step: int) -> dict[str, Any]:
         return {
             "step": step, "schedule": self.runtime.schedule.name, "partition": self.partition,
             "layout": self.layout, "torch": torch.__version__,
         }  # fmt: skip
-
-    def _choose(self, path: str | Path | None) -> Path:
-        if path is None:
-            found = latest_checkpoint(self.root) if self._coordinator else None
-            (step,) = self._max([-1 if found is None else _step_of(found)], "choosing the latest checkpoint")
-            if step < 0:
-                raise FileNotFoundError(
-                    f"PipelineCheckpointer.load: no complete checkpoint under {self.root}"
-                )
-            return checkpoint_path(self.root, step)
-        return Path(path)
-
-    def _gather_layout(self) -> tuple[list[list[str]], list[list[Any]]]:
-        """Every stage's pieces and every rank's stages (a collective over the group)."""
-        mine = {
-            "rank": self._rank,
-            "stages": sorted(self._tensors),
-            "partition": partition_of({s: list(e) for s, e in self._tensors.items()}),
-        }
-        gathered = [mine]
-        if self._distributed:
-            gathered = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, mine, group=self.group)
-        partition: dict[int, tuple[str, ...]] = {}
-        for entry in gathered:
-            for s, pieces in entry["partition"].items():
-                if partition.setdefault(s, pieces) != pieces:
-                    raise ValueError(
-                        f"PipelineCheckpointer: ranks hold stage {s} as {partition[s]} and {pieces}; replicas of a "
-                        "stage must be cut alike"
-                    )
-        n_stages = self.runtime.schedule.n_stages
-        if sorted(partition) != list(range(n_stages)):
-            raise ValueError(
-                f"PipelineCheckpointer: the group's ranks hold stages {sorted(partition)} of {n_stages}; build it "
-                "on every rank of the job"
-            )
-        layout = [[e["rank"], e["stages"]] for e in sorted(gathered, key=lambda e: e["rank"])]
-        return [list(partition[s]) for s in range(n_stages)], layout
-
-    def _max(self, values: list[int], what: str) -> list[int]:
-        """Element-wise maximum over the group (the values themselves without torch.distributed)."""
-        if not self._distributed:
-            return values
-        tensor = torch.tensor(values, dtype=torch.int64)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        bounded_wait(work, f"PipelineCheckpointer: {what}", timeout=self.timeout, group=self.group)
-        return tensor.tolist()
-
-
-def _digest(extra: Mapping[str, Any]) -> int:
-    """A 56-bit digest of ``extra``'s content, compared between ranks (tensors by dtype, shape and bytes: their
-    pickled form carries a random serialization id)."""
-    h = hashlib.blake2b(digest_size=7)
-
-    def feed(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().contiguous()
-            h.update(f"tensor {value.dtype} {tuple(value.shape)}".encode())
-            h.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, Mapping):
-            for key in sorted(value, key=repr):
-                h.update(repr(key).encode())
-                feed(value[key])
-        elif isinstance(value, (list, tuple)):
-            h.update(f"{type(value).__name__} {len(value)}".encode())
-            for item in value:
-                feed(item)
-        else:
-            h.update(pickle.dumps(value))
-
-    feed(dict(extra))
-    return int.from_bytes(h.digest(), "little")
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.split("_", 1)[1])
-
-
-def _checked(key: str, tensor: torch.Tensor, meta: Mapping[str, Any], path: Path) -> torch.Tensor:
-    saved = meta.get(key)
-    if saved is None:
-        raise ValueError(f"PipelineCheckpointer.load: {path} has no {key!r} (is it the same model?)")
-    if tuple(saved.size) != tuple(tensor.shape) or saved.properties.dtype != tensor.dtype:
-        raise ValueError(
-            f"PipelineCheckpointer.load: {key!r} is {tuple(tensor.shape)} {tensor.dtype} here but "
-            f"{tuple(saved.size)} {saved.properties.dtype} in {path}"
-        )
-    return tensor
-
-
-def _empty_like_saved(saved: Any) -> torch.Tensor:
-    return torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
 
 
 @contextlib.contextmanager
@@ -501,13 +285,3 @@ def _quiet_single_process(distributed: bool) -> Iterator[None]:
         if not distributed:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _require_numpy() -> None:
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        raise RuntimeError(
-            "PipelineCheckpointer: torch.distributed.checkpoint exchanges its plans with object collectives, "
-            "which need numpy; pip install numpy (or splitgrad[checkpoint])"
-        ) from None

@@ -49,6 +49,8 @@ def main() -> None:
         ("zb-h1", p, {}),
         ("zb-h2", p, {}),
         ("zbv", 2 * p, {}),
+        ("v-half", 2 * p, {}),
+        ("v-min", 2 * p, {}),
         ("dualpipev", 2 * p, {}),
     ]
     if args.auto:

@@ -15,17 +15,17 @@ import torch
 __all__ = ["check_split_sizes"]
 
 
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers: not floating point, not complex, not bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _as_int(value: object) -> int | None:
     """``value`` as an int if it is an integer (Python, numpy or 0-d integer tensor), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, torch.Tensor):
-        if (
-            value.dim() != 0
-            or value.dtype.is_floating_point
-            or value.dtype.is_complex
-            or value.dtype == torch.bool
-        ):
+        if value.dim() != 0 or not _is_integer_dtype(value.dtype):
             return None
         return int(value.item())
     try:
@@ -54,12 +54,7 @@ def check_split_sizes(
         ValueError: naming ``owner``, ``arg`` and the offending values.
     """
     if isinstance(sizes, torch.Tensor):
-        if (
-            sizes.dim() != 1
-            or sizes.dtype.is_floating_point
-            or sizes.dtype.is_complex
-            or sizes.dtype == torch.bool
-        ):
+        if sizes.dim() != 1 or not _is_integer_dtype(sizes.dtype):
             raise ValueError(
                 f"{owner}: {arg} tensor must be 1-D with an integer dtype, got dtype={sizes.dtype} "
                 f"shape={tuple(sizes.shape)}: {sizes.tolist()}"

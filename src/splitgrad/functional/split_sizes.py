@@ -1,4 +1,5 @@
-"""Validation of per-group row counts (``m_splits`` / ``split_sizes``) shared by both GroupedLinear APIs.
+"""Validation of a layer's sizes (every module and op) and of per-group row counts (``m_splits`` /
+``split_sizes``, both GroupedLinear APIs).
 
 A grouped GEMM silently computing garbage is the worst failure an MoE layer can have, so sizes are checked
 strictly: integers only (``2.0`` is refused rather than truncated — a float size almost always means a
@@ -12,7 +13,19 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["check_split_sizes"]
+__all__ = ["check_positive_sizes", "check_split_sizes"]
+
+
+def check_positive_sizes(label: str, **sizes: int) -> None:
+    """Raise ``ValueError`` (``"<label> needs positive sizes, got a=.. b=.."``) unless every size is > 0.
+
+    Args:
+        label: the layer as the message names it (``"Linear"``, ``"ops.BasicLinear"``).
+        **sizes: the constructor's size arguments, in the order the message lists them.
+    """
+    if any(size <= 0 for size in sizes.values()):
+        got = " ".join(f"{name}={size!r}" for name, size in sizes.items())
+        raise ValueError(f"{label} needs positive sizes, got {got}")
 
 
 def _is_integer_dtype(dtype: torch.dtype) -> bool:

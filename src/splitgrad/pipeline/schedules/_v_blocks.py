@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 from ..ir.actions import Action, ActionKind, Schedule
+from ..ir.replay import replay_in_order
 from ._common import check_v_shape, v_mapping
 
 __all__ = ["PERIOD", "block_schedule", "v_block_schedule"]
@@ -193,21 +194,18 @@ def _compact(grid: _Grid) -> None:
     p = grid.p
     orders = [grid.ordered(r) for r in range(p)]
     ends: dict[tuple[int, Op], int] = {}
-    free, nxt = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            order = orders[r]
-            while nxt[r] < len(order):
-                op = order[nxt[r]]
-                deps = [ends.get(x) for x in grid.inputs(r, op)]
-                if None in deps:
-                    break
-                start = max([free[r], *deps])
-                ends[(r, op)] = free[r] = start + 1
-                nxt[r] += 1
-                progress = True
+    free = [0] * p
+
+    def try_run(r: int, j: int) -> bool:
+        op = orders[r][j]
+        deps = [ends.get(x) for x in grid.inputs(r, op)]
+        if None in deps:
+            return False
+        start = max([free[r], *deps])
+        ends[(r, op)] = free[r] = start + 1
+        return True
+
+    nxt = replay_in_order(orders, try_run)
     if any(
         n < len(o) for n, o in zip(nxt, orders)
     ):  # pragma: no cover - the squeeze only moves ops later-safe

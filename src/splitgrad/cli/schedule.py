@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,9 @@ def run(args: argparse.Namespace) -> int:
         validate(schedule)
         result = simulate(schedule, args.f, args.b, args.w, args.comm)
     except ScheduleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _fail(exc, 1)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc, 2)
 
     spans = [hi - lo for lo, hi in result.rank_spans]
     critical = max(range(len(spans)), key=spans.__getitem__)
@@ -149,18 +148,12 @@ def run(args: argparse.Namespace) -> int:
         print(schedule.to_text(), end="")
     if args.ascii:
         print(result.to_ascii())
-    try:
-        if trace is not None:
-            print(f"wrote {write_chrome_trace(result.events(), trace)}")
-        if png is not None:
-            print(f"wrote {result.save_png(png)}")
-    except ImportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # checked above, but the file system can still refuse (full disk, races)
-        print(f"error: could not write {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    return 0
+    writes: list[Callable[[], object]] = []
+    if trace is not None:
+        writes.append(lambda: write_chrome_trace(result.events(), trace))
+    if png is not None:
+        writes.append(lambda: result.save_png(png))
+    return _write_outputs(writes)
 
 
 def _run_frontier(args: argparse.Namespace) -> int:
@@ -189,8 +182,7 @@ def _run_frontier(args: argparse.Namespace) -> int:
             overlap=args.overlap,
         )
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(exc, 2)
     f, b, w, comm = result.costs
     print(
         f"frontier: {result.n_ranks} ranks, {result.n_microbatches} microbatches, costs per rank's layers "
@@ -198,13 +190,28 @@ def _run_frontier(args: argparse.Namespace) -> int:
     )
     print(result.to_table())
     print("Pareto front: " + ", ".join(pt.label for pt in result.pareto))
-    if png is not None:
-        try:
-            print(f"wrote {result.save_png(png)}")
-        except ImportError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        except OSError as exc:
-            print(f"error: could not write {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+    return _write_outputs([] if png is None else [lambda: result.save_png(png)])
+
+
+def _write_outputs(writes: list[Callable[[], object]]) -> int:
+    """Run each ``write`` in turn (it returns the path it wrote) and print that path.
+
+    Returns:
+        0, or 2 after printing the error once a write fails: ``ImportError`` (no matplotlib for ``--png``) or
+        ``OSError`` (the paths were checked before the work, but the file system can still refuse: full disk,
+        races).
+    """
+    try:
+        for write in writes:
+            print(f"wrote {write()}")
+    except ImportError as exc:
+        return _fail(exc, 2)
+    except OSError as exc:
+        return _fail(f"could not write {exc.filename or ''}: {exc.strerror or exc}", 2)
     return 0
+
+
+def _fail(error: object, code: int) -> int:
+    """Print ``error: <error>`` to stderr and return the exit code ``code`` (see :func:`run`)."""
+    print(f"error: {error}", file=sys.stderr)
+    return code

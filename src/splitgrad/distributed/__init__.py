@@ -5,6 +5,7 @@
   the operation, the rank and the limit;
 * :mod:`.tp_config`, :mod:`.tp_comm`, :mod:`.tp_sequence` -- the tensor-parallel config and the collectives
   the TP layers call inside their autograd Functions (public through :mod:`splitgrad.parallel.tensor`);
+* :mod:`.grid` -- ``grid_groups``: the inner/outer groups of a 2-D rank grid (TP x outer, pipeline x replicas);
 * :mod:`.launch` -- ``spawn``, the local launcher (public as ``splitgrad.testing.spawn``);
 * :mod:`.teardown` -- ``destroy_process_group`` (public as ``splitgrad.parallel.destroy_process_group``).
 

@@ -1,4 +1,5 @@
-"""Validation of per-group row counts (``m_splits`` / ``split_sizes``) shared by both GroupedLinear APIs.
+"""Validation of a layer's sizes (every module and op) and of per-group row counts (``m_splits`` /
+``split_sizes``, both GroupedLinear APIs).
 
 A grouped GEMM silently computing garbage is the worst failure an MoE layer can have, so sizes are checked
 strictly: integers only (``2.0`` is refused rather than truncated — a float size almost always means a
@@ -12,7 +13,24 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["check_split_sizes"]
+__all__ = ["check_positive_sizes", "check_split_sizes"]
+
+
+def check_positive_sizes(label: str, **sizes: int) -> None:
+    """Raise ``ValueError`` (``"<label> needs positive sizes, got a=.. b=.."``) unless every size is > 0.
+
+    Args:
+        label: the layer as the message names it (``"Linear"``, ``"ops.BasicLinear"``).
+        **sizes: the constructor's size arguments, in the order the message lists them.
+    """
+    if any(size <= 0 for size in sizes.values()):
+        got = " ".join(f"{name}={size!r}" for name, size in sizes.items())
+        raise ValueError(f"{label} needs positive sizes, got {got}")
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers: not floating point, not complex, not bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _as_int(value: object) -> int | None:
@@ -20,12 +38,7 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, torch.Tensor):
-        if (
-            value.dim() != 0
-            or value.dtype.is_floating_point
-            or value.dtype.is_complex
-            or value.dtype == torch.bool
-        ):
+        if value.dim() != 0 or not _is_integer_dtype(value.dtype):
             return None
         return int(value.item())
     try:
@@ -54,12 +67,7 @@ def check_split_sizes(
         ValueError: naming ``owner``, ``arg`` and the offending values.
     """
     if isinstance(sizes, torch.Tensor):
-        if (
-            sizes.dim() != 1
-            or sizes.dtype.is_floating_point
-            or sizes.dtype.is_complex
-            or sizes.dtype == torch.bool
-        ):
+        if sizes.dim() != 1 or not _is_integer_dtype(sizes.dtype):
             raise ValueError(
                 f"{owner}: {arg} tensor must be 1-D with an integer dtype, got dtype={sizes.dtype} "
                 f"shape={tuple(sizes.shape)}: {sizes.tolist()}"

@@ -17,24 +17,11 @@ from torch import nn
 from ._tp_linear import SP_WGRAD_INPUTS
 
 __all__ = [
-    "check_positive_sizes",
     "init_norm_settings",
     "init_te_settings",
     "register_norm_parameters",
     "register_optional_parameter",
 ]
-
-
-def check_positive_sizes(label: str, **sizes: int) -> None:
-    """Raise ``ValueError`` (``"<label> needs positive sizes, got a=.. b=.."``) unless every size is > 0.
-
-    Args:
-        label: the module as the message names it (``"Linear"``).
-        **sizes: the constructor's size arguments, in the order the message lists them.
-    """
-    if any(size <= 0 for size in sizes.values()):
-        got = " ".join(f"{name}={size!r}" for name, size in sizes.items())
-        raise ValueError(f"{label} needs positive sizes, got {got}")
 
 
 def init_te_settings(

@@ -17,8 +17,7 @@ from ..functional.grouped_layout import (
 )
 from ..functional.grouped_wgrad import GroupedParams, grouped_gradients, write_grouped_wgrad
 from ..functional.init import linear_init_
-from ..functional.split_sizes import check_split_sizes
-from ._layer_setup import check_positive_sizes
+from ..functional.split_sizes import check_positive_sizes, check_split_sizes
 from ._linear_wgrad import route_wgrad_at_forward
 
 __all__ = ["GroupedLinear"]

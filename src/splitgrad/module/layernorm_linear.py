@@ -13,9 +13,9 @@ from ..distributed.tp_config import shard_size, tensor_parallel_config
 from ..distributed.tp_sequence import gather_sequence
 from ..functional.init import linear_init_
 from ..functional.norm import check_normalization, init_norm_
+from ..functional.split_sizes import check_positive_sizes
 from ._fused_norm import fused_norm_backward, fused_norm_forward
 from ._layer_setup import (
-    check_positive_sizes,
     init_norm_settings,
     init_te_settings,
     register_norm_parameters,

@@ -11,7 +11,8 @@ from torch import nn
 from ..core import SplitModule, split_backward
 from ..distributed.tp_config import TensorParallelConfig, shard_size, tensor_parallel_config
 from ..functional.init import linear_init_
-from ._layer_setup import check_positive_sizes, init_te_settings
+from ..functional.split_sizes import check_positive_sizes
+from ._layer_setup import init_te_settings
 from ._linear_wgrad import hand_over_linear_wgrad, linear_wgrad_parameters, route_wgrad_at_forward
 from ._te_keywords import refuse_unsupported_te_keywords, rng_tracker_fork
 from ._tp_linear import _TPLinearFunction

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.grid import grid_groups
 from ..distributed.group_ref import GroupRef
 from ..distributed.tp_comm import PendingCollective, all_gather_dim0, all_reduce, reduce_scatter_dim0
 from ..distributed.tp_config import DEFAULT_TP_TIMEOUT_S, TensorParallelConfig, tensor_parallel_config
@@ -85,22 +86,17 @@ def tensor_parallel_groups(tp_size: int, *, backend: str | None = None) -> Tenso
     Raises:
         ValueError: ``tp_size`` does not divide the world size.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise ValueError(
             f"tensor_parallel_groups: tp_size must divide the world size, got {tp_size=} {world=}"
         )
-    n_outer = world // tp_size
-    tp_groups = [
-        dist.new_group(list(range(k * tp_size, (k + 1) * tp_size)), backend=backend) for k in range(n_outer)
-    ]
-    outer_groups = [dist.new_group(list(range(t, world, tp_size)), backend=backend) for t in range(tp_size)]
-    outer_rank, tp_rank = divmod(rank, tp_size)
+    grid = grid_groups(tp_size, backend=backend)
     return TensorParallelGroups(
-        tp_rank=tp_rank,
-        tp_group=tp_groups[outer_rank],
-        outer_rank=outer_rank,
-        outer_group=outer_groups[tp_rank] if n_outer > 1 else None,
+        tp_rank=grid.inner_rank,
+        tp_group=grid.inner_group,
+        outer_rank=grid.outer_rank,
+        outer_group=grid.outer_group,
     )
 
 

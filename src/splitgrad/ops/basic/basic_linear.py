@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...functional.init import linear_init_
+from ...functional.split_sizes import check_positive_sizes
 from ...functional.wgrad import linear_wgrad, write_linear_wgrad
 from ..op import OperationContext, ParamGrads
 from ._split_op import SplitOperation, split_repr
@@ -51,8 +52,7 @@ class BasicLinear(SplitOperation):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"ops.BasicLinear needs positive sizes, got {in_features=} {out_features=}")
+        check_positive_sizes("ops.BasicLinear", in_features=in_features, out_features=out_features)
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))

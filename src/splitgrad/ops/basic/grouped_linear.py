@@ -16,7 +16,7 @@ from ...functional.grouped_layout import (
 )
 from ...functional.grouped_wgrad import GroupedParams, grouped_gradients, write_grouped_wgrad
 from ...functional.init import linear_init_
-from ...functional.split_sizes import check_split_sizes
+from ...functional.split_sizes import check_positive_sizes, check_split_sizes
 from ..op import BasicOperation, OperationContext, ParamGrads
 from ._split_op import SplitOperation, split_repr
 
@@ -81,10 +81,9 @@ class GroupedLinear(SplitOperation):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if num_groups <= 0 or in_features <= 0 or out_features <= 0:
-            raise ValueError(
-                f"ops.GroupedLinear needs positive sizes, got {num_groups=} {in_features=} {out_features=}"
-            )
+        check_positive_sizes(
+            "ops.GroupedLinear", num_groups=num_groups, in_features=in_features, out_features=out_features
+        )
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features

@@ -126,25 +126,33 @@ def _from_cell(cell: str, rank: int, column: int) -> str:
                 "or I action"
             )
         return f"{forward}+{backward}"
-    match = _COMPUTE_RE.match(cell)
-    if match is None:
-        raise ValueError(
-            f"schedule_from_csv: rank {rank} column {column}: cannot parse {cell!r}; expected "
-            "'<stage><F|I|W|B><microbatch>' (e.g. '2I3') or '(<F action>;<B action>)OVERLAP_F_B'"
-        )
-    stage, letter, microbatch = match.groups()
-    return f"{stage}{_FROM_TORCH[letter]}{microbatch}"
+    return _rename_kind(
+        cell,
+        _COMPUTE_RE,
+        _FROM_TORCH,
+        f"schedule_from_csv: rank {rank} column {column}: cannot parse {cell!r}; expected "
+        "'<stage><F|I|W|B><microbatch>' (e.g. '2I3') or '(<F action>;<B action>)OVERLAP_F_B'",
+    )
 
 
 def _to_cell(action: str, rank: int) -> str:
     if "+" in action:
         forward, _, backward = action.partition("+")
         return f"({_to_cell(forward, rank)};{_to_cell(backward, rank)})OVERLAP_F_B"
-    match = _SPLITGRAD_RE.match(action)
+    return _rename_kind(
+        action,
+        _SPLITGRAD_RE,
+        _TO_TORCH,
+        f"schedule_to_csv: rank {rank} has the gradient-sync point {action}; PyTorch's compute_only CSV has "
+        "no cell for it (strip it with splitgrad.pipeline.passes.strip_grad_sync)",
+    )
+
+
+def _rename_kind(text: str, pattern: re.Pattern[str], kinds: dict[str, str], error: str) -> str:
+    """``text`` (``<stage><kind><microbatch>``, matched by ``pattern``) with its kind renamed through ``kinds``
+    (the two formats name the same actions differently); ``ValueError(error)`` when it does not match."""
+    match = pattern.match(text)
     if match is None:
-        raise ValueError(
-            f"schedule_to_csv: rank {rank} has the gradient-sync point {action}; PyTorch's compute_only CSV has "
-            "no cell for it (strip it with splitgrad.pipeline.passes.strip_grad_sync)"
-        )
+        raise ValueError(error)
     stage, kind, microbatch = match.groups()
-    return f"{stage}{_TO_TORCH[kind]}{microbatch}"
+    return f"{stage}{kinds[kind]}{microbatch}"

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from ..ir.actions import Action, ActionKind, OverlapAction, Schedule
+from ..ir.replay import replay_in_order
 
 __all__ = ["refill_w"]
 
@@ -67,7 +68,6 @@ def refill_w(
     fend = [[math.nan] * m for _ in range(n)]
     bend = [[math.nan] * m for _ in range(n)]
     n_ranks = len(orders)
-    pos = [0] * n_ranks
     free = [0.0] * n_ranks
     live = [0.0] * n_ranks
     pending: list[deque[Action]] = [deque() for _ in range(n_ranks)]
@@ -90,51 +90,45 @@ def refill_w(
         free[r] += w[a.stage]
         live[r] -= w_memory
 
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n_ranks):
-            order = orders[r]
-            while pos[r] < len(order):
-                a = order[pos[r]]
-                if a.kind is _W:  # kept in place (tail_only): its B ran earlier on this rank
-                    out[r].append(a)
-                    free[r] += w[a.stage]
-                    live[r] -= w_memory
-                    pos[r] += 1
-                    progress = True
-                    continue
-                t_in = ready(a)
-                if t_in != t_in:  # NaN: wait for the producer
-                    break
-                if a.kind is _F:  # memory the limit forces free first
-                    while pending[r] and live[r] + 1.0 > limits[r] + 1e-9:
-                        run_w(r)
-                # After the rank's last F, stage 0's input gradient feeds nobody: delaying it costs only this
-                # rank's own time, so a W may start whenever that input has not arrived yet.
-                give = max(slack, 1.0) if a.stage == 0 and pos[r] > last_f[r] else slack
-                while pending[r] and (
-                    give == math.inf or free[r] + w[pending[r][0].stage] * (1.0 - give) <= t_in + 1e-12
-                ):
-                    run_w(r)
-                start = max(free[r], t_in)
-                s, i = a.stage, a.microbatch
-                if a.kind is _F:
-                    cost = f[s]
-                    live[r] += 1.0
-                elif a.kind is _B:
-                    cost = b[s]
-                    live[r] -= 1.0 - w_memory
-                    if (s, i) not in fixed_w[r]:
-                        pending[r].append(Action(s, _W, i))
-                else:
-                    cost = b[s] + w[s]
-                    live[r] -= 1.0
-                free[r] = start + cost
-                (fend if a.kind is _F else bend)[s][i] = free[r]
-                out[r].append(a)
-                pos[r] += 1
-                progress = True
+    def try_run(r: int, j: int) -> bool:
+        a = orders[r][j]
+        if a.kind is _W:  # kept in place (tail_only): its B ran earlier on this rank
+            out[r].append(a)
+            free[r] += w[a.stage]
+            live[r] -= w_memory
+            return True
+        t_in = ready(a)
+        if t_in != t_in:  # NaN: wait for the producer
+            return False
+        if a.kind is _F:  # memory the limit forces free first
+            while pending[r] and live[r] + 1.0 > limits[r] + 1e-9:
+                run_w(r)
+        # After the rank's last F, stage 0's input gradient feeds nobody: delaying it costs only this
+        # rank's own time, so a W may start whenever that input has not arrived yet.
+        give = max(slack, 1.0) if a.stage == 0 and j > last_f[r] else slack
+        while pending[r] and (
+            give == math.inf or free[r] + w[pending[r][0].stage] * (1.0 - give) <= t_in + 1e-12
+        ):
+            run_w(r)
+        start = max(free[r], t_in)
+        s, i = a.stage, a.microbatch
+        if a.kind is _F:
+            cost = f[s]
+            live[r] += 1.0
+        elif a.kind is _B:
+            cost = b[s]
+            live[r] -= 1.0 - w_memory
+            if (s, i) not in fixed_w[r]:
+                pending[r].append(Action(s, _W, i))
+        else:
+            cost = b[s] + w[s]
+            live[r] -= 1.0
+        free[r] = start + cost
+        (fend if a.kind is _F else bend)[s][i] = free[r]
+        out[r].append(a)
+        return True
+
+    pos = replay_in_order(orders, try_run)
     if any(pos[r] < len(orders[r]) for r in range(n_ranks)):  # pragma: no cover - the base order is valid
         raise RuntimeError(f"refill_w: {schedule.name!r} did not replay; is it a valid schedule?")
     for r in range(n_ranks):

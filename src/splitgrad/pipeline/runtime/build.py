@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed.grid import grid_groups
 from ...distributed.group_ref import GroupRef
 from ..ir.actions import Schedule
 from .executor import LossFn
@@ -103,21 +104,17 @@ def pipeline_groups(pp_size: int, dp_size: int = 1, *, backend: str | None = Non
         dp_size: number of pipeline replicas; ``pp_size * dp_size`` must be the world size.
         backend: backend of the new groups (default: the default group's).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if pp_size < 1 or dp_size < 1 or pp_size * dp_size != world:
         raise ValueError(
             f"pipeline_groups: need pp_size * dp_size == world size, got {pp_size=} {dp_size=} {world=}"
         )
-    pp_groups = [
-        dist.new_group(list(range(d * pp_size, (d + 1) * pp_size)), backend=backend) for d in range(dp_size)
-    ]
-    dp_groups = [dist.new_group(list(range(p, world, pp_size)), backend=backend) for p in range(pp_size)]
-    dp_rank, pp_rank = divmod(rank, pp_size)
+    grid = grid_groups(pp_size, backend=backend)
     return PipelineGroups(
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        pp_group=pp_groups[dp_rank],
-        dp_group=dp_groups[pp_rank] if dp_size > 1 else None,
+        pp_rank=grid.inner_rank,
+        dp_rank=grid.outer_rank,
+        pp_group=grid.inner_group,
+        dp_group=grid.outer_group,
     )
 
 

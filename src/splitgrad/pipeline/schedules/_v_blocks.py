@@ -25,13 +25,14 @@ depends only on the block, never on the costs.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 from ..ir.actions import Action, ActionKind, Schedule
-from ._common import v_mapping
+from ..ir.replay import replay_in_order
+from ._common import check_v_shape, v_mapping
 
-__all__ = ["PERIOD", "block_schedule"]
+__all__ = ["PERIOD", "block_schedule", "v_block_schedule"]
 
 PERIOD = 6
 """Slots per microbatch per rank: ``F``, ``B`` and ``W`` of two stages."""
@@ -193,21 +194,18 @@ def _compact(grid: _Grid) -> None:
     p = grid.p
     orders = [grid.ordered(r) for r in range(p)]
     ends: dict[tuple[int, Op], int] = {}
-    free, nxt = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            order = orders[r]
-            while nxt[r] < len(order):
-                op = order[nxt[r]]
-                deps = [ends.get(x) for x in grid.inputs(r, op)]
-                if None in deps:
-                    break
-                start = max([free[r], *deps])
-                ends[(r, op)] = free[r] = start + 1
-                nxt[r] += 1
-                progress = True
+    free = [0] * p
+
+    def try_run(r: int, j: int) -> bool:
+        op = orders[r][j]
+        deps = [ends.get(x) for x in grid.inputs(r, op)]
+        if None in deps:
+            return False
+        start = max([free[r], *deps])
+        ends[(r, op)] = free[r] = start + 1
+        return True
+
+    nxt = replay_in_order(orders, try_run)
     if any(
         n < len(o) for n, o in zip(nxt, orders)
     ):  # pragma: no cover - the squeeze only moves ops later-safe
@@ -260,6 +258,26 @@ def block_schedule(
     grid.drop_w()
     _place_w(grid, up_first=True)
     return _schedule(name, p, m, grid)
+
+
+def v_block_schedule(
+    name: str, n_stages: int, n_microbatches: int, block: Callable[[int], Sequence[Sequence[int]]]
+) -> Schedule:
+    """A building-block V schedule from its public arguments: :func:`block_schedule` of ``block(p)`` on
+    ``p = n_stages / 2`` ranks.
+
+    Args:
+        name: the schedule's name (also in the messages).
+        n_stages: stages, two per rank.
+        n_microbatches: microbatches.
+        block: ``block(p)`` gives the per-rank offsets of :func:`block_schedule`.
+
+    Raises:
+        ValueError: ``n_stages`` is not even, or a count is not an integer >= 1.
+    """
+    check_v_shape(name, n_stages, n_microbatches)
+    p = n_stages // 2
+    return block_schedule(name, p, n_microbatches, block(p))
 
 
 def _schedule(name: str, p: int, m: int, grid: _Grid) -> Schedule:

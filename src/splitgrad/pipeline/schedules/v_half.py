@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from ..ir._perf import gc_paused
 from ..ir.actions import Schedule
-from ._common import check_v_shape
-from ._v_blocks import block_schedule
+from ._v_blocks import v_block_schedule
 
 __all__ = ["v_half", "v_half_block", "v_half_peak"]
 
@@ -41,6 +40,4 @@ def v_half(n_stages: int, n_microbatches: int) -> Schedule:
     Raises:
         ValueError: ``n_stages`` is not even.
     """
-    check_v_shape("v-half", n_stages, n_microbatches)
-    p = n_stages // 2
-    return block_schedule("v-half", p, n_microbatches, v_half_block(p))
+    return v_block_schedule("v-half", n_stages, n_microbatches, v_half_block)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from ..ir._perf import gc_paused
 from ..ir.actions import Schedule
-from ._common import check_v_shape
-from ._v_blocks import block_schedule
+from ._v_blocks import v_block_schedule
 
 __all__ = ["v_min", "v_min_block", "v_min_peak"]
 
@@ -41,6 +40,4 @@ def v_min(n_stages: int, n_microbatches: int) -> Schedule:
     Raises:
         ValueError: ``n_stages`` is not even.
     """
-    check_v_shape("v-min", n_stages, n_microbatches)
-    p = n_stages // 2
-    return block_schedule("v-min", p, n_microbatches, v_min_block(p))
+    return v_block_schedule("v-min", n_stages, n_microbatches, v_min_block)

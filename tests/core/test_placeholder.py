@@ -65,8 +65,8 @@ def test_wgrad_hook_sees_a_placeholder_in_every_order(grouped):
     assert layer.weight.grad is None
     x = torch.cat(xs)
     torch.testing.assert_close(
-        layer.weight.main_grad, torch.ones(64, 4 * 2, dtype=F64) @ x, rtol=1e-13, atol=0
-    )
+        layer.weight.main_grad, torch.ones(64, 4 * 2, dtype=F64) @ x, rtol=1e-12, atol=1e-12
+    )  # two accumulated GEMMs vs one: float64-tight, not bitwise (other arithmetic; issue 23)
 
 
 def test_accumulate_grad_hook_sees_it_after_the_layers_backward():

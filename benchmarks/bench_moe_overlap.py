@@ -176,17 +176,21 @@ def _mode(rank: int, world: int, args: argparse.Namespace, delayed: bool) -> dic
             timings["comm alone"].append(wall)
             timings["comm cpu"].append(cpu)
     out = {k: statistics.median(v) for k, v in timings.items()}
-    # Paired per sample (its sequential and overlapped pair ran back to back, its exchanges right after):
-    # drift and load spikes between samples cancel, where a ratio of medians would mix them.
-    hidden = [
-        (seq - ovl) / comm
-        for seq, ovl, comm in zip(
-            timings["sequential"], timings["overlapped"], timings["comm alone"], strict=True
-        )
-    ]
-    out["hidden"] = statistics.median(hidden)
-    out["hidden q"] = _quartiles(hidden)
+    # Each sample's sequential and overlapped pair ran back to back, its exchanges right after.
+    out["hidden"], out["hidden q"] = paired_hidden(
+        timings["sequential"], timings["overlapped"], timings["comm alone"]
+    )
     return out
+
+
+def paired_hidden(
+    plain: list[float], overlapped: list[float], comm: list[float]
+) -> tuple[float, tuple[float, float]]:
+    """The hidden fraction of the communication per sample, ``(plain - overlapped) / comm``: its median and
+    quartiles. Paired per sample (each sample's runs ran back to back), so drift and load spikes between
+    samples cancel, where a ratio of medians would mix them."""
+    hidden = [(p - o) / c for p, o, c in zip(plain, overlapped, comm, strict=True)]
+    return statistics.median(hidden), _quartiles(hidden)
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_moe_overlap import _comm_alone, _pair_exchanges, _quartiles
+from bench_moe_overlap import _comm_alone, _pair_exchanges, paired_hidden
 from splitgrad.models import MoEConfig, lm_loss, split_into_stages
 from splitgrad.parallel.expert import (
     ExpertParallelMoEGPT,
@@ -102,14 +102,9 @@ def _mode(rank: int, args: argparse.Namespace, delayed: bool, groups) -> dict:
         if sample >= args.warmup:
             timings.setdefault("a2a alone", []).append(wall * len(pairs))
     out = {k: statistics.median(v) for k, v in timings.items()}
-    hidden = [
-        (p - f) / a
-        for p, f, a in zip(
-            timings["plain paired"], timings["pairs paired"], timings["a2a alone"], strict=True
-        )
-    ]
-    out["hidden"] = statistics.median(hidden)
-    out["hidden q"] = _quartiles(hidden)
+    out["hidden"], out["hidden q"] = paired_hidden(
+        timings["plain paired"], timings["pairs paired"], timings["a2a alone"]
+    )
     out["pairs"] = len(pairs)
     for rt in runtimes.values():
         rt.close()

@@ -10,6 +10,7 @@ rewrites a checkpoint from one layout to the other, in both directions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -86,15 +87,21 @@ def grouped_params_of(
         tensors: stand-ins in :attr:`GroupedParams.tensors` order (e.g. autocast copies a Function received).
     """
     if tensors is None:
-        names = ["weight"] if single_weight else [f"weight{g}" for g in range(num_groups)]
-        if bias:
-            names += ["bias"] if single_bias else [f"bias{g}" for g in range(num_groups)]
-        tensors = [getattr(module, n) for n in names]
+        tensors = [getattr(module, n) for n in _grouped_names(num_groups, single_weight, single_bias, bias)]
     n_w = 1 if single_weight else num_groups
     weight = tensors[0] if single_weight else list(tensors[:n_w])
     rest = list(tensors[n_w:])
     bias_part = None if not rest else rest[0] if single_bias else rest
     return GroupedParams(weight, bias_part)
+
+
+# Called on every forward and backward: the names are built once per layout (immutable tuples).
+@functools.cache
+def _grouped_names(num_groups: int, single_weight: bool, single_bias: bool, bias: bool) -> tuple[str, ...]:
+    names = ["weight"] if single_weight else [f"weight{g}" for g in range(num_groups)]
+    if bias:
+        names += ["bias"] if single_bias else [f"bias{g}" for g in range(num_groups)]
+    return tuple(names)
 
 
 def grouped_biases(params: GroupedParams, num_groups: int) -> list[torch.Tensor | None]:

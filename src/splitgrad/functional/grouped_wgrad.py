@@ -22,8 +22,7 @@ from .wgrad import (
     bias_wgrad,
     check_targets,
     linear_wgrad,
-    require_main_grad,
-    write_linear_wgrad,
+    write_checked_linear_wgrad,
 )
 
 __all__ = ["GroupedParams", "grouped_gradients", "grouped_targets", "write_grouped_wgrad"]
@@ -153,24 +152,24 @@ def write_grouped_wgrad(
         offs: ``grouped_mm``'s offsets of ``splits``, when the caller has them.
     """
     mask_w, mask_b = params.split_mask(mask)
-    w_names, _ = params.names()
     check_targets(grouped_targets(params, mask, fused=fused), owner=owner, flag=flag)
     if not isinstance(params.weight, torch.Tensor):
-        for g, (dyg, xg) in enumerate(zip(torch.split(dy, list(splits)), torch.split(x, list(splits)))):
-            write_linear_wgrad(
-                params.weight[g], None, dyg, xg, want_w=mask_w[g], want_b=False, fused=fused, owner=owner,
-                name=w_names[g], flag=flag,
-            )  # fmt: skip
+        # Checked above (every target, before any write): one group's write is its GEMM and its add.
+        rows = list(splits)
+        for weight, want, dyg, xg in zip(params.weight, mask_w, torch.split(dy, rows), torch.split(x, rows)):
+            if want:
+                write_checked_linear_wgrad(weight, dyg, xg, fused=fused)
     elif mask_w[0]:
         weight = params.weight
-        if fused:
-            main_grad = require_main_grad(weight, owner, w_names[0], flag)
+        if fused:  # main_grad checked above
             beta = 0.0 if getattr(weight, "overwrite_main_grad", False) else 1.0
-            grouped_wgrad_into_(main_grad, dy, x, splits, transposed=params.transposed, beta=beta)
+            grouped_wgrad_into_(weight.main_grad, dy, x, splits, transposed=params.transposed, beta=beta)
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
         else:
             accumulate_grad(weight, grouped_wgrad(dy, x, splits, transposed=params.transposed, offs=offs))
+    if not any(mask_b):
+        return
     bias_grads = grouped_gradients(params, dy, x, splits, (False,) * len(mask_w) + mask_b)[len(mask_w) :]
     for b, grad in zip(params.biases, bias_grads):
         if grad is not None:

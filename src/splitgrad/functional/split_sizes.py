@@ -9,7 +9,7 @@ router computed fractions), no bools, one per group, non-negative, summing to th
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -48,12 +48,17 @@ def _as_int(value: object) -> int | None:
 
 
 def check_split_sizes(
-    owner: str, arg: str, sizes: Sequence[int] | torch.Tensor, num_groups: int, tokens: int
+    owner: str | Callable[[], str],
+    arg: str,
+    sizes: Sequence[int] | torch.Tensor,
+    num_groups: int,
+    tokens: int,
 ) -> list[int]:
     """``sizes`` as a list of ``num_groups`` non-negative ints summing to ``tokens``.
 
     Args:
-        owner: the module's description, for the messages.
+        owner: the module's description, for the messages, or a function making it (called only to raise:
+            a layer checks its sizes on every call).
         arg: the argument's name (``"m_splits"`` or ``"split_sizes"``).
         sizes: a sequence of integers (Python or numpy) or a 1-D integer tensor ``(num_groups,)`` (read once on the host, as
             TE's grouped GEMM needs host sizes).
@@ -66,6 +71,11 @@ def check_split_sizes(
     Raises:
         ValueError: naming ``owner``, ``arg`` and the offending values.
     """
+    # The common case (a list of Python ints that fits), checked without building any message.
+    plain = type(sizes) is list and len(sizes) == num_groups
+    if plain and all(type(s) is int and s >= 0 for s in sizes) and sum(sizes) == tokens:
+        return list(sizes)
+    owner = owner() if callable(owner) else owner
     if isinstance(sizes, torch.Tensor):
         if sizes.dim() != 1 or not _is_integer_dtype(sizes.dtype):
             raise ValueError(

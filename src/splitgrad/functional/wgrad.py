@@ -25,6 +25,7 @@ __all__ = [
     "check_writable",
     "linear_wgrad",
     "require_main_grad",
+    "write_checked_linear_wgrad",
     "write_linear_wgrad",
 ]
 
@@ -147,12 +148,20 @@ def write_linear_wgrad(
     targets = [(weight, want_w, name, fused), (bias, want_b, name.replace("weight", "bias"), False)]
     check_targets(targets, owner=owner, flag=flag)
     if want_w:
-        if fused:
-            _add_into_main_grad(weight, dy, x, require_main_grad(weight, owner, name, flag))
-        else:
-            accumulate_grad(weight, linear_wgrad(dy, x))
+        write_checked_linear_wgrad(weight, dy, x, fused=fused)
     if want_b:
         accumulate_grad(bias, bias_wgrad(dy))
+
+
+def write_checked_linear_wgrad(
+    weight: nn.Parameter, dy: torch.Tensor, x: torch.Tensor, *, fused: bool
+) -> None:
+    """The weight half of :func:`write_linear_wgrad` once :func:`check_targets` passed: one ``addmm_`` into
+    ``main_grad`` (``fused``) or the GEMM added into ``.grad``. ``dy: (tokens, out)``, ``x: (tokens, in)``."""
+    if fused:
+        _add_into_main_grad(weight, dy, x, weight.main_grad)
+    else:
+        accumulate_grad(weight, linear_wgrad(dy, x))
 
 
 def _add_into_main_grad(

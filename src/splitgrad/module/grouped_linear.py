@@ -171,7 +171,7 @@ class GroupedLinear(SplitModule):
     def _check_splits(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> list[int]:
         self._check_last_dim(x, self.in_features, "in_features")
         return check_split_sizes(
-            self._describe(), "m_splits", m_splits, self.num_gemms, x.numel() // self.in_features
+            self._describe, "m_splits", m_splits, self.num_gemms, x.numel() // self.in_features
         )
 
     def wgrad_parameters(self) -> list[nn.Parameter]:

@@ -33,7 +33,7 @@ def as_split_sizes(
     Raises:
         ValueError: naming ``op`` and the offending sizes.
     """
-    return check_split_sizes(op._describe(), "split_sizes", split_sizes, num_groups, tokens)
+    return check_split_sizes(op._describe, "split_sizes", split_sizes, num_groups, tokens)
 
 
 class GroupedLinear(SplitOperation):

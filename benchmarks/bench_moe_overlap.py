@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import splitgrad
+from _timing import quartiles
 from splitgrad.models import MoEConfig, MoEGPT, lm_loss
 from splitgrad.parallel.expert import ExpertParallelMoEGPT, ExpertParallelMoEMLP, overlapped_forward_backward
 from splitgrad.parallel.expert.dispatch_wgrad import run_expert_wgrad
@@ -190,15 +191,7 @@ def paired_hidden(
     quartiles. Paired per sample (each sample's runs ran back to back), so drift and load spikes between
     samples cancel, where a ratio of medians would mix them."""
     hidden = [(p - o) / c for p, o, c in zip(plain, overlapped, comm, strict=True)]
-    return statistics.median(hidden), _quartiles(hidden)
-
-
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    """(first, third) quartile; both the one value when there is only one."""
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
+    return statistics.median(hidden), quartiles(hidden)
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:

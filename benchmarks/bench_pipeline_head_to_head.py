@@ -21,6 +21,7 @@ from dataclasses import asdict
 from _pipeline_report import cells, print_realisation, summarize
 from _pipeline_rounds import run_rank
 from _pipeline_variants import BenchConfig
+from _timing import quartiles
 from splitgrad.testing import spawn
 
 QUICK = dict(hidden=64, ffn=256, tokens=128, seq=32, rounds=2)
@@ -44,11 +45,11 @@ def print_head_to_head(cfg: BenchConfig, rows: dict[str, dict]) -> None:
             ratios = [t / o for t, o in zip(r["steps"], ours)]
             paired = "-", "-", "-"
             if name != "splitgrad zbv":
-                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                q1, q3 = quartiles(ratios)
                 faster = sum(x > 1 for x in ratios)
                 paired = (
                     f"{statistics.median(ratios):.3f}",
-                    f"[{q[0]:.3f}, {q[2]:.3f}]",
+                    f"[{q1:.3f}, {q3:.3f}]",
                     f"{faster} / {len(ratios)}",
                 )
             print(

@@ -12,8 +12,12 @@ test comparing gradients must read them the way the library writes them, so ther
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +35,11 @@ __all__ = [
     "one_rank_group",
     "rank_failures",
     "run_named",
+    "run_torchrun",
 ]
+
+#: This checkout's ``src``: what a subprocess must import as ``splitgrad``.
+SRC = Path(splitgrad.__file__).resolve().parents[1]
 
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -190,3 +198,26 @@ def rank_failures(results: list[dict[str, str | None]], name: str) -> str:
     return "\n".join(
         f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(results) if res[name] is not None
     )
+
+
+def run_torchrun(
+    script_and_args: Sequence[str],
+    *,
+    ranks: int,
+    cwd: Path,
+    torchrun_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node=<ranks> [torchrun_args] <script> [args]`` in ``cwd``.
+
+    Each rank imports this checkout's ``splitgrad`` (``src`` on ``PYTHONPATH``) and runs one OpenMP thread (the
+    ranks share the cores); ``env`` adds to that environment or overrides it. Output is captured as text. A
+    non-zero exit is returned, not raised: the caller says what failed.
+    """
+    full_env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.run(
+        [*command, *torchrun_args, *script_and_args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip

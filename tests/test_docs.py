@@ -14,17 +14,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-import splitgrad
+from tests.helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-_SRC = str(Path(splitgrad.__file__).resolve().parents[1])
 DOC_FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "text"}
 MAX_NOT_RUN = 2  # exclusions stay rare; raising this needs a reason in the docs *and* a review
@@ -106,11 +103,7 @@ def run_python_block(block: Block, workdir: Path) -> None:
         return
     script = workdir / "block.py"
     script.write_text(block.code + _exit_probe(block))
-    env = {**os.environ, "PYTHONPATH": _SRC, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={block.ranks}"]
-    proc = subprocess.run(
-        [*cmd, str(script)], cwd=workdir, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
+    proc = run_torchrun([str(script)], ranks=block.ranks, cwd=workdir)
     if proc.returncode != 0:
         raise RuntimeError(
             f"{block.where} failed under torchrun (rc={proc.returncode}):\n{proc.stderr[-4000:]}"

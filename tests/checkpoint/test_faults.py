@@ -29,6 +29,7 @@ from splitgrad.pipeline.checkpoint import (
     verify_checkpoint,
 )
 from tests.checkpoint.fault_worker import KILL_RANK, KILL_STEP, STEPS, TIMEOUT
+from tests.helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,12 +162,11 @@ def test_only_complete_checkpoints_are_visible(tmp_path, caplog):
 @pytest.mark.distributed
 def test_torchrun_restarts_a_killed_job_from_the_last_complete_checkpoint(tmp_path):
     tag = uuid.uuid4().hex
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--monitor-interval", "0.5",
-        str(ROOT / "tests" / "checkpoint" / "fault_worker.py"), "restart", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_env(tag), timeout=400)
+    proc = run_torchrun(
+        [str(ROOT / "tests" / "checkpoint" / "fault_worker.py"), "restart", str(tmp_path)],
+        ranks=2, cwd=ROOT, torchrun_args=["--max-restarts", "1", "--monitor-interval", "0.5"], env=_env(tag),
+        timeout=400,
+    )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, (out, proc.stderr[-3000:])
     assert f"attempt 0 rank {KILL_RANK}: SIGKILL in step {KILL_STEP}" in out, out

@@ -4,15 +4,14 @@ when the script itself stops working."""
 
 from __future__ import annotations
 
-import os
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -21,17 +20,7 @@ ROOT = Path(__file__).parents[2]
 
 def run_example(script: str) -> str:
     """``torchrun --standalone --nproc-per-node 2 examples/<script>`` from the repository root; its stdout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.run(
-        [*cmd, f"examples/{script}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    proc = run_torchrun([f"examples/{script}"], ranks=2, cwd=ROOT)
     assert proc.returncode == 0, f"examples/{script} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc.stdout
 

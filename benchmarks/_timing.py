@@ -23,22 +23,14 @@ it also counts spinning workers)."""
 def interleaved_medians(
     variants: dict[str, Callable[[], None]], *, rounds: int, warmup: int = 1, clock: str = "wall"
 ) -> dict[str, float]:
-    """Run each variant ``warmup`` times, then ``rounds`` times round-robin; return median seconds per variant.
+    """Run each variant ``warmup`` times, then ``rounds`` times round-robin (always in the given order); return
+    median seconds per variant.
 
     Args:
         clock: a key of :data:`CLOCKS`.
     """
-    now = CLOCKS[clock]
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
-            start = now()
-            fn()
-            samples[name].append(now() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    samples = interleaved_samples(variants, rounds=rounds, warmup=warmup, clock=clock, alternate=False)
+    return {name: s.median for name, s in samples.items()}
 
 
 def print_table(
@@ -75,10 +67,15 @@ class Samples:
 
 
 def interleaved_samples(
-    variants: dict[str, Callable[[], None]], *, rounds: int, warmup: int = 1, clock: str = "cpu"
+    variants: dict[str, Callable[[], None]],
+    *,
+    rounds: int,
+    warmup: int = 1,
+    clock: str = "cpu",
+    alternate: bool = True,
 ) -> dict[str, Samples]:
-    """Run each variant ``warmup`` times, then ``rounds`` rounds of one call each, in forward order on even
-    rounds and reverse order on odd ones (so no variant always follows the same neighbour).
+    """Run each variant ``warmup`` times, then ``rounds`` rounds of one call each, in the given order; with
+    ``alternate``, in reverse order on odd rounds (so no variant always follows the same neighbour).
 
     Page faults come from ``getrusage``: the process's minor faults around each call. A fresh allocation the
     allocator takes from the kernel (glibc ``mmap``s every block of 32 MiB or more, and may trim its heap
@@ -91,7 +88,7 @@ def interleaved_samples(
     names = list(variants)
     samples = {name: Samples() for name in names}
     for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+        for name in names[::-1] if alternate and r % 2 else names:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = now()
             variants[name]()
